@@ -1,0 +1,94 @@
+"""ECHO settings: one pydantic model shared by the core, the HF engine, the vLLM plugin and deploy checks.
+
+No vLLM import here: the deploy tests validate ConfigMaps with it on machines without vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+GateMode = Literal["sparse", "dense", "fixed"]
+
+
+class EchoConfigError(ValueError):
+    """A user-facing configuration error; the message names the field and the fix."""
+
+
+class EchoSettings(BaseModel):
+    """The `"echo": {...}` block of echo.json."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    k_max: Union[int, Literal["auto"]] = Field(
+        default=64,
+        description="Batch-wide cap on draft tokens verified per step (sum over requests). "
+        "0 disables speculation. 'auto' is not implemented yet.",
+    )
+    top_k: int = Field(default=4, ge=1, le=16, description="Children expanded per node and nodes kept per depth.")
+    delta: float = Field(default=0.6, ge=0.5, le=1.0, description="AUC above which a depth is a sweet spot.")
+    warmup_steps: int = Field(default=32, ge=0, description="Verification steps recorded before gates apply.")
+    gate_mode: GateMode = Field(default="sparse", description="sparse (ECHO), dense (every depth), fixed (one tau).")
+    calibration_file: str | None = Field(
+        default=None,
+        description="JSON calibration to load; if the file does not exist it is written after warm-up.",
+    )
+    min_samples_per_class: int = Field(
+        default=8, ge=1, description="A depth needs this many accepted and rejected samples to be calibrated."
+    )
+
+    @field_validator("k_max")
+    @classmethod
+    def _check_k_max(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError("k_max must be an integer >= 0; got a boolean")
+        if value == "auto":
+            raise ValueError("k_max='auto' (knee search) is not implemented; give an integer >= 0")
+        if isinstance(value, int) and value < 0:
+            raise ValueError(f"k_max must be >= 0 (0 disables speculation); got {value}")
+        return value
+
+
+def format_validation_error(err: ValidationError, prefix: str = "echo") -> str:
+    """One line per problem: `echo.k_max: k_max must be >= 0 ...`."""
+    lines = []
+    for problem in err.errors():
+        where = ".".join(str(p) for p in (prefix, *problem["loc"]) if p != "")
+        msg = problem["msg"]
+        if problem["type"] == "extra_forbidden":
+            allowed = ", ".join(EchoSettings.model_fields)
+            msg = f"unknown key; allowed keys are: {allowed}"
+        lines.append(f"{where}: {msg}")
+    return "; ".join(lines)
+
+
+def parse_echo_settings(raw: dict[str, Any] | None) -> EchoSettings:
+    """Validate the `echo` block, raising EchoConfigError with field names."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise EchoConfigError(f"echo: must be a JSON object, got {type(raw).__name__}")
+    try:
+        return EchoSettings(**raw)
+    except ValidationError as err:
+        raise EchoConfigError(format_validation_error(err)) from None
+
+
+def load_json_or_path(value: str) -> dict[str, Any]:
+    """Accept a JSON object string or a path to a JSON file (what `--speculative-config` gets)."""
+    text = value.strip()
+    if not text.startswith("{"):
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise EchoConfigError(f"speculative config: {value!r} is neither a JSON object nor an existing file")
+        text = path.read_text()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise EchoConfigError(f"speculative config: invalid JSON ({err.msg} at line {err.lineno})") from None
+    if not isinstance(data, dict):
+        raise EchoConfigError("speculative config: must be a JSON object")
+    return data

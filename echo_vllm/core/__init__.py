@@ -1,0 +1,53 @@
+"""ECHO core: plain-torch draft trees, gates, calibration, elastic budget selection, verification, metrics."""
+
+from .budget import (
+    CLASS_DEPTH,
+    CLASS_EXCLUDED,
+    CLASS_WIDTH,
+    BudgetSelection,
+    candidate_class,
+    check_budget_inputs,
+    compact_selection,
+    select_budget_reference,
+)
+from .calibration import (
+    Calibration,
+    CalibrationError,
+    CalibrationRecorder,
+    auc,
+    calibrate,
+    youden_threshold,
+)
+from .gating import depth_confidence, gate_caps
+from .metrics import EchoMetrics
+from .tree import Drafter, DraftTree, SyntheticDrafter, depth_major_layout, grow_tree, topk_stable
+from .verify import VerifyResult, verify_greedy, verify_sampling
+
+__all__ = [
+    "CLASS_DEPTH",
+    "CLASS_EXCLUDED",
+    "CLASS_WIDTH",
+    "BudgetSelection",
+    "Calibration",
+    "CalibrationError",
+    "CalibrationRecorder",
+    "DraftTree",
+    "Drafter",
+    "EchoMetrics",
+    "SyntheticDrafter",
+    "VerifyResult",
+    "auc",
+    "calibrate",
+    "candidate_class",
+    "check_budget_inputs",
+    "compact_selection",
+    "depth_confidence",
+    "depth_major_layout",
+    "gate_caps",
+    "grow_tree",
+    "select_budget_reference",
+    "topk_stable",
+    "verify_greedy",
+    "verify_sampling",
+    "youden_threshold",
+]

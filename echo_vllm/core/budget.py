@@ -121,7 +121,8 @@ def select_budget_reference(
     perm = perm[torch.sort(cls[perm], stable=True).indices]
     rank = torch.empty_like(perm)
     rank[perm] = torch.arange(perm.numel(), device=device)
-    selected = ((cls != CLASS_EXCLUDED) & (rank < k_max)).reshape(batch, num_nodes)
+    # min(): a k_max beyond int64 (any Python int is allowed) selects everything instead of overflowing.
+    selected = ((cls != CLASS_EXCLUDED) & (rank < min(k_max, perm.numel()))).reshape(batch, num_nodes)
     return compact_selection(selected, depth, parent)
 
 

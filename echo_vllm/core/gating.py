@@ -1,0 +1,58 @@
+"""Depth confidence and the sparse confidence gates (ECHO, "Sparse Confidence Gating").
+
+c_{i,d} = max over the valid depth-d nodes of request i of exp(path score): whether some path to depth d is
+likely. A gate at depth d is open iff c_{i,d} >= tau_d. A closed gate at depth d truncates request i *after*
+depth d: its depth-d nodes stay eligible, nothing deeper is (depth_cap = d), and the request may be widened at
+depths <= d. The shallowest closed gate wins. Which depths carry a gate is decided by the calibration (sparse:
+sweet spots; dense: every calibrated depth; fixed: every depth, one tau). Without a calibration (warm-up) there
+are no gates: depth_cap = D and nothing is truncated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .calibration import Calibration
+from .tree import DraftTree
+
+
+def depth_confidence(tree: DraftTree) -> torch.Tensor:
+    """[B, D] float32: c_{b,d} = max over valid depth-d nodes of exp(score); 0 where a depth has no valid node."""
+    batch, num_nodes = tree.scores.shape
+    max_depth = tree.max_depth
+    if max_depth == 0:
+        return torch.zeros((batch, 0), dtype=torch.float32, device=tree.scores.device)
+    if num_nodes % max_depth != 0:
+        raise ValueError(f"tree is not in the depth-major layout: N={num_nodes} is not a multiple of D={max_depth}")
+    top_k = num_nodes // max_depth
+    scores = tree.scores.to(torch.float32)
+    usable = tree.valid & ~torch.isnan(scores)
+    scores = torch.where(usable, scores, torch.full_like(scores, float("-inf")))
+    return torch.exp(scores.reshape(batch, max_depth, top_k).amax(dim=2))
+
+
+def gate_caps(confidence: torch.Tensor, calibration: Calibration | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(depth_cap [B] int32, truncated [B] bool) from the depth confidences and the calibrated gates.
+
+    A NaN confidence closes its gate (NaN >= tau is false). `calibration=None` (warm-up) gates nothing.
+    """
+    if confidence.dim() != 2:
+        raise ValueError(f"confidence must be [B, D]; got shape {tuple(confidence.shape)}")
+    batch, max_depth = confidence.shape
+    device = confidence.device
+    if calibration is None:
+        return (
+            torch.full((batch,), max_depth, dtype=torch.int32, device=device),
+            torch.zeros((batch,), dtype=torch.bool, device=device),
+        )
+    if calibration.max_depth != max_depth:
+        raise ValueError(
+            f"the calibration covers {calibration.max_depth} depths but the tree has {max_depth}; recalibrate"
+        )
+    gated, tau = calibration.gate_tensors(device)
+    closed = gated.unsqueeze(0) & ~(confidence.to(torch.float32) >= tau.unsqueeze(0))
+    depths = torch.arange(1, max_depth + 1, dtype=torch.int32, device=device).expand(batch, max_depth)
+    first_closed = torch.where(closed, depths, torch.full_like(depths, max_depth + 1)).amin(dim=1)
+    truncated = closed.any(dim=1)
+    depth_cap = torch.where(truncated, first_closed, torch.full_like(first_closed, max_depth))
+    return depth_cap.to(torch.int32), truncated

@@ -1,0 +1,87 @@
+"""`echo-vllm bench hf`: every HF-engine method on the same models and prompts, ratios measured in one run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from echo_vllm.config import EchoSettings
+from echo_vllm.hf.engine import METHODS, EngineInputError, EngineOptions, HFEngine
+
+
+def load_tokenizer(target_dir: Path):
+    from tokenizers import Tokenizer  # noqa: PLC0415
+
+    return Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+
+
+def encode_prompts(tokenizer, prompts: list[str], max_prompt_tokens: int) -> list[list[int]]:
+    # Keep the end of long prompts: that is where generation continues from.
+    return [enc.ids[-max_prompt_tokens:] for enc in tokenizer.encode_batch(prompts)]
+
+
+def run_method(root: Path, method: str, settings: EchoSettings, max_depth: int, prompts: list[list[int]],
+               max_new_tokens: int, temperature: float, progress=None) -> dict[str, Any]:
+    engine = HFEngine(root / "target", root / "eagle3", EngineOptions(method=method, max_depth=max_depth, echo=settings))
+    outputs, seconds, tokens = [], 0.0, 0
+    for ids in prompts:
+        result = engine.generate(ids, max_new_tokens, temperature=temperature)
+        outputs.append(result.token_ids)
+        seconds += result.seconds
+        tokens += len(result.token_ids)
+        if progress is not None:
+            progress.update(1)
+    summary = engine.metrics.summary() if method != "ar" else {}
+    return {"outputs": outputs, "seconds": seconds, "tokens": tokens, "metrics": summary,
+            "calibration": engine.calibration.to_json_dict() if engine.calibration else None}
+
+
+def bench_hf(root: Path, methods: list[str], datasets: list[str], limit: int, max_new_tokens: int,
+             settings: EchoSettings, max_depth: int, temperature: float = 0.0,
+             json_path: str | None = None) -> list[dict[str, Any]]:
+    from echo_vllm.datasets import load_prompts  # noqa: PLC0415
+
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise EngineInputError(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
+    try:
+        from tqdm import tqdm  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - tqdm is in the bench extra
+        tqdm = None
+    tokenizer = load_tokenizer(root / "target")
+    results = []
+    for dataset in datasets:
+        prompts = encode_prompts(tokenizer, load_prompts(dataset, limit), max_prompt_tokens=384)
+        runs: dict[str, dict[str, Any]] = {}
+        for method in ["ar", *[m for m in methods if m != "ar"]]:
+            progress = tqdm(total=len(prompts), desc=f"{dataset}/{method}", leave=False) if tqdm else None
+            runs[method] = run_method(root, method, settings, max_depth, prompts, max_new_tokens, temperature,
+                                      progress)
+            if progress is not None:
+                progress.close()
+        ar = runs["ar"]
+        ar_tps = ar["tokens"] / ar["seconds"]
+        for method in methods:
+            run = runs[method]
+            m = run["metrics"]
+            tps = run["tokens"] / run["seconds"]
+            results.append({
+                "method": method,
+                "dataset": dataset,
+                "batch_size": 1,
+                "mat": m.get("mat", 1.0),
+                "draft_utilization": m.get("utilization"),
+                "mean_depth_drafted": m.get("mean_depth"),
+                "tokens_per_s": tps,
+                "speedup_vs_ar": tps / ar_tps,
+                "verified_per_accepted": m.get("verified_per_accepted_draft"),
+                "budget_used": m.get("budget_utilization"),
+                "identical_to_ar": run["outputs"] == ar["outputs"],
+                "sweet_spots": (run["calibration"] or {}).get("gated"),
+            })
+    if json_path:
+        Path(json_path).write_text(json.dumps({"settings": settings.model_dump(), "max_depth": max_depth,
+                                               "max_new_tokens": max_new_tokens, "results": results}, indent=2) + "\n")
+    return results
+

@@ -1,0 +1,215 @@
+"""The HuggingFace low-load engine (the paper's B = 1 setup), every method on the same core code.
+
+Methods, all verified by the same tree verifier over the same target forward:
+  ar      plain autoregressive decoding (the reference output);
+  chain   a fixed chain of K = max_depth draft tokens (top_k = 1);
+  eagle2  a dynamic tree reranked to a fixed total of K_max tokens by path score (no gates);
+  dense   ECHO's budget with a gate at every calibrated depth (ablation);
+  fixed   ECHO's budget with one tau at every depth (ablation);
+  echo    sparse gates at the calibrated sweet spots + the elastic budget.
+The gated methods record (confidence, accepted) during `warmup_steps` verification steps without gates, then
+calibrate once (or load `calibration_file`) and gate from then on.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from echo_vllm.config import EchoSettings
+from echo_vllm.core import (
+    BudgetSelection,
+    Calibration,
+    CalibrationRecorder,
+    DraftTree,
+    EchoMetrics,
+    calibrate,
+    depth_confidence,
+    gate_caps,
+    grow_tree,
+    verify_greedy,
+    verify_sampling,
+)
+from echo_vllm.hf.drafter import Eagle3TreeDrafter
+from echo_vllm.hf.target import HFTarget
+from echo_vllm.models.eagle3 import Eagle3Head
+from echo_vllm.ops import select_budget
+
+METHODS = ("ar", "chain", "eagle2", "dense", "fixed", "echo")
+GATED = {"dense": "dense", "fixed": "fixed", "echo": "sparse"}
+
+
+class EngineInputError(ValueError):
+    pass
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    seconds: float
+    steps: int
+
+
+@dataclass
+class EngineOptions:
+    method: str = "echo"
+    max_depth: int = 6
+    echo: EchoSettings = field(default_factory=EchoSettings)
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise EngineInputError(f"method: unknown {self.method!r}; choose from {', '.join(METHODS)}")
+        if not isinstance(self.max_depth, int) or self.max_depth < 1:
+            raise EngineInputError(f"max_depth must be an integer >= 1; got {self.max_depth!r}")
+
+
+class HFEngine:
+    def __init__(self, target_dir: str | Path, head_dir: str | Path | None, options: EngineOptions,
+                 dtype: torch.dtype = torch.float32):
+        options.validate()
+        self.options = options
+        self.method = options.method
+        head = None
+        aux_ids: tuple[int, ...] = ()
+        if self.method != "ar":
+            if head_dir is None:
+                raise EngineInputError(f"method {self.method!r} needs an EAGLE-3 head directory")
+            import json  # noqa: PLC0415
+
+            head_config = Path(head_dir) / "config.json"
+            if not head_config.is_file():
+                raise FileNotFoundError(f"EAGLE-3 head: {head_config} is missing")
+            aux_ids = tuple(json.loads(head_config.read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+        self.target = HFTarget(target_dir, aux_ids, dtype=dtype)
+        if self.method != "ar":
+            head = Eagle3Head.load(head_dir, self.target.embedding.detach().to(torch.float32)).to(dtype)
+            self.drafter = Eagle3TreeDrafter(head)
+        settings = options.echo
+        self.top_k = 1 if self.method == "chain" else settings.top_k
+        self.max_depth = options.max_depth
+        self.k_max = self.max_depth if self.method == "chain" else int(settings.k_max)
+        self.eos_id = self.target.model.config.eos_token_id
+        self.metrics = EchoMetrics(self.max_depth)
+        self.calibration: Calibration | None = None
+        self.recorder: CalibrationRecorder | None = None
+        if self.method in GATED:
+            self.recorder = CalibrationRecorder(self.max_depth)
+            path = settings.calibration_file
+            if path and Path(path).is_file():
+                self.calibration = Calibration.load(path, expected_max_depth=self.max_depth,
+                                                    expected_mode=GATED[self.method])
+
+    # ---- one verification step -----------------------------------------------------------------------------
+
+    def _budget(self, tree: DraftTree) -> tuple[BudgetSelection, torch.Tensor, torch.Tensor]:
+        batch = tree.tokens.shape[0]
+        if self.method == "eagle2":
+            # EAGLE-2: every node competes on path score for the K_max slots; no gates, no spine priority.
+            depth_cap = torch.full((batch,), self.max_depth, dtype=torch.int32)
+            truncated = torch.zeros(batch, dtype=torch.bool)
+            sel = select_budget(tree.scores, tree.depth, tree.parent, tree.valid, tree.valid, depth_cap, truncated,
+                                self.k_max)
+            return sel, depth_cap, truncated
+        confidence = depth_confidence(tree)
+        calibration = self.calibration if self.method in GATED else None
+        depth_cap, truncated = gate_caps(confidence, calibration)
+        sel = select_budget(tree.scores, tree.depth, tree.parent, tree.valid, tree.spine, depth_cap, truncated,
+                            self.k_max)
+        return sel, depth_cap, truncated
+
+    def _maybe_calibrate(self) -> None:
+        settings = self.options.echo
+        if self.recorder is None or self.calibration is not None:
+            return
+        if self.recorder.num_steps < settings.warmup_steps:
+            return
+        self.calibration = calibrate(self.recorder, GATED[self.method], settings.delta,
+                                     settings.min_samples_per_class)
+        if settings.calibration_file:
+            self.calibration.save(settings.calibration_file)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+                 seed: int = 0) -> GenerationResult:
+        if not prompt_ids:
+            raise EngineInputError("prompt: empty prompt; give at least one token")
+        if max_new_tokens < 1:
+            raise EngineInputError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+        generator = torch.Generator().manual_seed(seed)
+        started = time.perf_counter()
+        self.target.reset()
+        prompt = torch.tensor([prompt_ids], dtype=torch.long)
+        positions = torch.arange(prompt.shape[1]).unsqueeze(0)
+        logits, aux = self.target.forward(prompt, positions, None)
+        pending = self._pick(logits[:, -1], temperature, generator)
+        out = [pending]
+        steps = 0
+        if self.method != "ar":
+            self.drafter.reset()
+            # Head context: base t consumes (target hidden at t, token t + 1).
+            next_tokens = torch.cat([prompt[:, 1:], torch.tensor([[pending]])], dim=1)
+            self.drafter.extend_context(aux, next_tokens, positions)
+        while len(out) < max_new_tokens and out[-1] != self.eos_id:
+            steps += 1
+            if self.method == "ar" or self.k_max == 0:
+                out.extend(self._ar_step(out[-1], temperature, generator))
+            else:
+                out.extend(self._spec_step(out[-1], temperature, generator))
+        out = out[:max_new_tokens]
+        if self.eos_id in out:
+            out = out[: out.index(self.eos_id) + 1]
+        return GenerationResult(token_ids=out, seconds=time.perf_counter() - started, steps=steps)
+
+    def _pick(self, logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
+        if temperature <= 0:
+            return int(logits[0].argmax())
+        probs = torch.softmax(logits[0] / temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+    def _ar_step(self, pending: int, temperature: float, generator: torch.Generator) -> list[int]:
+        pos = self.target.cache_len
+        logits, aux = self.target.forward(torch.tensor([[pending]]), torch.tensor([[pos]]), None)
+        token = self._pick(logits[:, -1], temperature, generator)
+        if self.method != "ar":  # k_max == 0: keep the head's context in step for when speculation resumes
+            self.drafter.extend_context(aux, torch.tensor([[token]]), torch.tensor([[pos]]))
+        return [token]
+
+    def _spec_step(self, pending: int, temperature: float, generator: torch.Generator) -> list[int]:
+        tree = grow_tree(self.drafter, 1, self.max_depth, self.top_k)
+        sel, depth_cap, truncated = self._budget(tree)
+        count = int(sel.counts[0])
+        order = sel.order[0, :count].long()
+        base = self.target.cache_len
+        tokens = torch.cat([torch.tensor([pending]), tree.tokens[0, order]]).unsqueeze(0)
+        positions = (base + torch.cat([torch.zeros(1, dtype=torch.long), sel.order_depth[0, :count].long()]))
+        # Tree mask: row j attends to itself and its ancestors (parent_local chains), the root to itself.
+        parent_row = torch.cat([torch.tensor([-1]), sel.parent_local[0, :count].long() + 1])
+        mask = torch.eye(count + 1, dtype=torch.bool)
+        for _ in range(self.max_depth):
+            mask = mask | mask[parent_row.clamp(min=0)] & (parent_row >= 0).unsqueeze(1)
+        logits, aux = self.target.forward(tokens, positions.unsqueeze(0), mask.unsqueeze(0))
+        rows = torch.zeros(1, sel.order.shape[1] + 1, logits.shape[-1])
+        rows[0, : count + 1] = logits[0]
+        if temperature <= 0:
+            result = verify_greedy(tree.tokens, sel, rows.argmax(-1), max_depth=self.max_depth)
+        else:
+            probs = torch.softmax(rows / temperature, dim=-1)
+            result = verify_sampling(tree.tokens, sel, probs, generator=generator, max_depth=self.max_depth)
+        accepted = int(result.accepted_len[0])
+        accepted_local = result.accepted_local[0, :accepted].long()
+        emitted = result.accepted_tokens[0, : accepted + 1].tolist()
+        # Keep the target cache along the root + accepted path only.
+        keep_rows = torch.cat([torch.zeros(1, dtype=torch.long), accepted_local + 1])
+        self.target.keep(torch.cat([torch.arange(base), base + keep_rows]))
+        new_aux = aux[:, keep_rows]
+        self.drafter.extend_context(new_aux, torch.tensor([emitted]),
+                                    (base + torch.arange(accepted + 1)).unsqueeze(0))
+        self.metrics.update(sel, result, self.k_max, depth_cap=depth_cap, truncated=truncated)
+        if self.recorder is not None and self.calibration is None:
+            verified_depth = sel.order_depth.amax(dim=1)
+            self.recorder.record(depth_confidence(tree), result.accepted_depth_mask, verified_depth)
+            self._maybe_calibrate()
+        return emitted

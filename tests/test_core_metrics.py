@@ -1,0 +1,132 @@
+"""EchoMetrics by hand, and the whole core step loop (draft -> gates -> budget -> verify -> calibrate)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from echo_vllm.core import (
+    CalibrationRecorder,
+    EchoMetrics,
+    SyntheticDrafter,
+    calibrate,
+    compact_selection,
+    depth_confidence,
+    gate_caps,
+    grow_tree,
+    select_budget_reference,
+    verify_greedy,
+)
+from echo_vllm.core.verify import VerifyResult
+
+
+def _selection(order_depths: list[list[int]]):
+    """A selection whose request b selects one node per listed depth (a chain)."""
+    batch, num = len(order_depths), 4
+    selected = torch.zeros(batch, num, dtype=torch.bool)
+    for b, ds in enumerate(order_depths):
+        selected[b, : len(ds)] = True
+    depth = torch.tensor([[1, 2, 3, 4]] * batch, dtype=torch.int32)
+    parent = torch.tensor([[-1, 0, 1, 2]] * batch, dtype=torch.int32)
+    return compact_selection(selected, depth, parent)
+
+
+def _result(accepted_len: list[int]) -> VerifyResult:
+    acc = torch.tensor(accepted_len, dtype=torch.int32)
+    return VerifyResult(
+        acc,
+        torch.zeros(len(acc), 4, dtype=torch.int32),
+        torch.zeros(len(acc), 5, dtype=torch.int64),
+        acc + 1,
+        torch.zeros(len(acc), dtype=torch.int64),
+        torch.zeros(len(acc), 4, dtype=torch.bool),
+    )
+
+
+def test_metrics_by_hand():
+    m = EchoMetrics(max_depth=4)
+    # step 1: depths drafted 3 and 1, accepted 2 and 0; request 1 truncated at depth 1
+    m.update(
+        _selection([[1, 2, 3], [1]]),
+        _result([2, 0]),
+        k_max=8,
+        depth_cap=torch.tensor([4, 1], dtype=torch.int32),
+        truncated=torch.tensor([False, True]),
+    )
+    # step 2: depths 4 and 0 (nothing selected), accepted 4 and 0
+    m.update(
+        _selection([[1, 2, 3, 4], []]),
+        _result([4, 0]),
+        k_max=4,
+        depth_cap=torch.tensor([2, 4], dtype=torch.int32),
+        truncated=torch.tensor([True, False]),
+    )
+    s = m.summary()
+    assert s["steps"] == 2 and s["request_steps"] == 4
+    assert s["mat"] == pytest.approx((3 + 1 + 5 + 1) / 4)
+    assert s["mean_depth"] == pytest.approx((3 + 1 + 4 + 0) / 4)
+    assert s["utilization"] == pytest.approx(2.5 / 2.0)
+    assert s["verified_per_accepted_draft"] == pytest.approx(8 / 6)
+    assert s["verified_per_emitted"] == pytest.approx(8 / 10)
+    assert s["truncations_per_depth"] == [1, 1, 0, 0]
+    assert s["truncation_rate"] == pytest.approx(0.5)
+    assert s["budget_utilization"] == pytest.approx((4 / 8 + 4 / 4) / 2)
+
+
+def test_metrics_active_mask_and_empty():
+    m = EchoMetrics(max_depth=4)
+    s = m.summary()
+    assert s["steps"] == 0 and math.isnan(s["mat"]) and s["truncations_per_depth"] == [0] * 4
+    m.update(_selection([[1, 2], [1, 2, 3]]), _result([1, 3]), k_max=0, active=torch.tensor([True, False]))
+    s = m.summary()
+    assert s["request_steps"] == 1 and s["mat"] == 2.0 and s["mean_depth"] == 2.0
+    assert math.isnan(s["budget_utilization"])  # K_max = 0 steps are not counted
+    with pytest.raises(ValueError, match="depth_cap"):
+        m.update(_selection([[1]]), _result([0]), k_max=1, truncated=torch.tensor([True]))
+
+
+class _GreedyTarget:
+    """A target that agrees with the drafter's argmax most of the time (per request and depth)."""
+
+    def __init__(self, drafter: SyntheticDrafter, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.drafter = drafter
+        self.noise = torch.randint(0, drafter.vocab_size, (drafter.batch, 64), generator=gen)
+        self.flip = torch.rand(drafter.batch, 64, generator=gen) < 0.35
+
+    def argmax(self, tree, sel):
+        order_tokens = torch.gather(tree.tokens, 1, sel.order.long().clamp(min=0))
+        order_depth = sel.order_depth.long()
+        root = self.drafter.root_logprobs().argmax(-1, keepdim=True)
+        variant = (torch.arange(tree.tokens.shape[0]) % self.drafter.variants).unsqueeze(1)
+        after = self.drafter._table[
+            (order_depth + 1).clamp(max=self.drafter._table.shape[0] - 1), variant, order_tokens
+        ].argmax(-1)
+        out = torch.cat([root, after], 1)
+        return torch.where(self.flip[:, : out.shape[1]], self.noise[:, : out.shape[1]], out)
+
+
+def test_core_step_loop_end_to_end():
+    batch, max_depth, top_k, k_max = 8, 4, 3, 20
+    recorder = CalibrationRecorder(max_depth)
+    metrics = EchoMetrics(max_depth)
+    calibration = None
+    for step in range(6):
+        drafter = SyntheticDrafter(batch, 10, max_depth, seed=step, sharpness=2.0)
+        tree = grow_tree(drafter, batch, max_depth, top_k)
+        conf = depth_confidence(tree)
+        cap, trunc = gate_caps(conf, calibration)
+        sel = select_budget_reference(tree.scores, tree.depth, tree.parent, tree.valid, tree.spine, cap, trunc, k_max)
+        assert int(sel.counts.sum()) <= k_max
+        res = verify_greedy(tree.tokens, sel, _GreedyTarget(drafter, step).argmax(tree, sel), max_depth=max_depth)
+        metrics.update(sel, res, k_max, cap, trunc)
+        if calibration is None:
+            recorder.record(conf, res.accepted_depth_mask, sel.order_depth.amax(1))
+            if step == 2:
+                calibration = calibrate(recorder, "dense", delta=0.5, min_samples_per_class=1)
+    s = metrics.summary()
+    assert s["steps"] == 6 and s["mat"] >= 1.0
+    assert 0 < s["budget_utilization"] <= 1.0
+    assert calibration is not None and len(calibration.tau) == max_depth

@@ -40,13 +40,17 @@ class EchoSettings(BaseModel):
         default=8, ge=1, description="A depth needs this many accepted and rejected samples to be calibrated."
     )
 
-    @field_validator("k_max")
+    @field_validator("k_max", mode="before")
     @classmethod
     def _check_k_max(cls, value: Any) -> Any:
         if isinstance(value, bool):
             raise ValueError("k_max must be an integer >= 0; got a boolean")
         if value == "auto":
             raise ValueError("k_max='auto' (knee search) is not implemented; give an integer >= 0")
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, (int, str)):
+            raise ValueError(f"k_max must be an integer >= 0; got {value!r}")
         if isinstance(value, int) and value < 0:
             raise ValueError(f"k_max must be >= 0 (0 disables speculation); got {value}")
         return value

@@ -164,13 +164,19 @@ def _verify_sampling_impl(
         per_parent.scatter_add_(1, parent_local + 2, torch.ones_like(parent_local))
         max_children = int(per_parent[:, 1:].max()) if num_nodes else 0
 
-    probs = target_probs.to(torch.float32).clamp(min=0)
-    probs = _normalize(probs, torch.full_like(probs, 1.0 / probs.shape[-1]))
+    vocab = target_probs.shape[-1]
+    uniform = torch.full((batch, vocab), 1.0 / vocab, dtype=torch.float32, device=device)
+
+    def row_at(row_index: torch.Tensor) -> torch.Tensor:
+        """[B, V] normalized float32 target row (rows are read lazily: no [B, N+1, V] copy)."""
+        row = target_probs[rows, row_index].to(torch.float32).clamp(min=0)
+        return _normalize(row, uniform)
+
     rows = torch.arange(batch, device=device)
     positions = torch.arange(num_nodes, device=device).expand(batch, num_nodes)
 
     cur = torch.full((batch,), -1, dtype=torch.int64, device=device)  # position of the current node, -1 = root
-    cur_row = probs[:, 0]
+    cur_row = row_at(torch.zeros(batch, dtype=torch.int64, device=device))
     p_res = cur_row.clone()
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     bonus = torch.zeros(batch, dtype=torch.int64, device=device)
@@ -195,10 +201,9 @@ def _verify_sampling_impl(
             reject = active & ~accept
             moved |= accept
             nxt = torch.where(accept, child, nxt)
-            if zero_rejected:
-                zeroed = p_res.clone()
-                zeroed[rows, token] = 0.0
-                p_res = torch.where(reject.unsqueeze(1), _normalize(zeroed, cur_row), p_res)
+            if zero_rejected:  # p_res never aliases cur_row or target_probs: edit in place
+                p_res[rows, token] = torch.where(reject, torch.zeros_like(p_x), p_x)
+                p_res = torch.where(reject.unsqueeze(1), _normalize(p_res, cur_row), p_res)
         # Requests whose children were all rejected, or that sit on a leaf, emit a residual sample and stop.
         stop = ~done & ~moved
         # Sampled for every request (no host sync, fixed RNG consumption); kept only where the walk stops.
@@ -208,6 +213,7 @@ def _verify_sampling_impl(
         if level < max_depth:
             accepted_local[:, level] = torch.where(moved, nxt, torch.full_like(nxt, -1)).to(torch.int32)
         cur = nxt
-        cur_row = torch.where(moved.unsqueeze(1), probs[rows, (cur + 1).clamp(min=0)], cur_row)
+        if level < max_depth:
+            cur_row = torch.where(moved.unsqueeze(1), row_at((cur + 1).clamp(min=0)), cur_row)
         p_res = torch.where(moved.unsqueeze(1), cur_row, p_res)
     return _finish(tokens_in_order, accepted_local, bonus)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from echo_vllm.core.budget import BudgetSelection, check_budget_inputs, select_budget_reference
+from echo_vllm.core.budget import BudgetSelection, select_budget_reference
 
 __all__ = ["BudgetSelection", "active_implementation", "op_available", "select_budget"]
 
@@ -83,7 +83,14 @@ def select_budget(
     order_depth)` (preallocated, contiguous, right shapes/dtypes) the results are written there, with no
     allocation on the compiled path, so the call can sit inside a CUDA graph."""
     if out is not None and len(out) != 5:
-        raise ValueError(f"out must hold 5 tensors (selected, counts, order, parent_local, order_depth); got {len(out)}")
+        raise ValueError(
+            f"out must hold 5 tensors (selected, counts, order, parent_local, order_depth); got {len(out)}"
+        )
+    if isinstance(k_max, bool) or not isinstance(k_max, (int, torch.SymInt)):
+        raise ValueError(f"k_max must be an integer >= 0; got {k_max!r}")
+    if isinstance(k_max, int) and k_max > scores.numel():
+        # The reference takes any Python int; the op's schema is int64. Beyond B * N the result is the same.
+        k_max = scores.numel()
     if op_available(scores.device):
         if out is None:
             return BudgetSelection(
@@ -92,12 +99,13 @@ def select_budget(
         torch.ops.echo.select_budget_out(scores, depth, parent, valid, spine, depth_cap, truncated, k_max, *out)
         return BudgetSelection(*out)
     _log_fallback(scores.device)
-    check_budget_inputs(scores, depth, parent, valid, spine, depth_cap, truncated, k_max)
     result = select_budget_reference(scores, depth, parent, valid, spine, depth_cap, truncated, k_max)
     if out is None:
         return result
-    for name, target, value in zip(BudgetSelection._fields, out, result):
+    for name, target, value in zip(BudgetSelection._fields, out, result, strict=True):
         if target.shape != value.shape or target.dtype != value.dtype:
-            raise ValueError(f"{name} (out) must be {value.dtype} {tuple(value.shape)}; got {target.dtype} {tuple(target.shape)}")
+            raise ValueError(
+                f"{name} (out) must be {value.dtype} {tuple(value.shape)}; got {target.dtype} {tuple(target.shape)}"
+            )
         target.copy_(value)
     return BudgetSelection(*out)

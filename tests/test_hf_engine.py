@@ -1,0 +1,156 @@
+"""The HF low-load engine: every method is lossless against `ar`, on the shipped testbed.
+
+Greedy: token-for-token identity on >= 50 prompts (HumanEval + MT-Bench first turns) under several depth /
+top-k / K_max settings, with gates forced closed and open so that truncate-and-widen paths run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from echo_vllm.config import EchoConfigError, EchoSettings, parse_echo_settings
+from echo_vllm.core import Calibration
+from echo_vllm.datasets import humaneval_prompts, mtbench_prompts
+from echo_vllm.hf.bench import encode_prompts, load_tokenizer
+from echo_vllm.hf.engine import EngineInputError, EngineOptions, HFEngine
+from echo_vllm.models.eagle3 import Eagle3Head
+from testbed_fixture import shipped_testbed
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def root() -> Path:
+    return shipped_testbed()
+
+
+@pytest.fixture(scope="module")
+def prompts(root) -> list[list[int]]:
+    texts = humaneval_prompts(30) + mtbench_prompts(20)
+    return encode_prompts(load_tokenizer(root / "target"), texts, max_prompt_tokens=96)
+
+
+@pytest.fixture(scope="module")
+def reference(root, prompts) -> list[list[int]]:
+    engine = HFEngine(root / "target", None, EngineOptions(method="ar"))
+    return [engine.generate(p, MAX_NEW).token_ids for p in prompts]
+
+
+def forced_calibration(path: Path, mode: str, max_depth: int, tau: float, gated_depths: set[int]) -> str:
+    """A calibration file whose gates close often, so that truncation and widening really run."""
+    cal = Calibration(mode=mode, max_depth=max_depth, delta=0.6, auc=[0.9] * max_depth,
+                      tau=[tau if (d + 1) in gated_depths else None for d in range(max_depth)],
+                      gated=[(d + 1) in gated_depths for d in range(max_depth)],
+                      num_pos=[10] * max_depth, num_neg=[10] * max_depth, min_samples_per_class=1)
+    cal.save(path)
+    return str(path)
+
+
+def assert_identical(engine: HFEngine, prompts, reference, label: str) -> None:
+    outputs = [engine.generate(p, MAX_NEW).token_ids for p in prompts]
+    bad = [i for i, (a, b) in enumerate(zip(outputs, reference)) if a != b]
+    assert not bad, f"{label}: prompts {bad[:5]} differ from ar"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["chain", "eagle2", "dense", "fixed", "echo"])
+def test_every_method_greedy_identical_to_ar(root, prompts, reference, method):
+    assert len(prompts) >= 50
+    settings = EchoSettings(k_max=16, top_k=4, warmup_steps=12, min_samples_per_class=2)
+    engine = HFEngine(root / "target", root / "eagle3", EngineOptions(method=method, max_depth=6, echo=settings))
+    assert_identical(engine, prompts, reference, method)
+    if method in ("dense", "fixed", "echo"):
+        assert engine.calibration is not None, "warm-up should have ended and calibrated"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("depth", "top_k", "k_max", "tau", "gated"),
+    [
+        (4, 2, 3, 0.5, {1, 3}),  # K_max binds below the depth: spine only, often truncated at depth 1
+        (8, 3, 12, 0.3, {2, 5}),  # deep, truncations at 2 and 5 with width spent there
+        (5, 4, 20, 0.9, {1}),  # a harsh gate at depth 1: nearly always truncate-and-widen
+    ],
+)
+def test_echo_identical_with_forced_gates(root, prompts, reference, tmp_path, depth, top_k, k_max, tau, gated):
+    cal_path = forced_calibration(tmp_path / "cal.json", "sparse", depth, tau, gated)
+    settings = EchoSettings(k_max=k_max, top_k=top_k, calibration_file=cal_path)
+    engine = HFEngine(root / "target", root / "eagle3", EngineOptions(method="echo", max_depth=depth, echo=settings))
+    assert_identical(engine, prompts[:25], reference[:25], f"echo depth={depth} k={top_k} K_max={k_max}")
+    summary = engine.metrics.summary()
+    assert sum(summary["truncations_per_depth"]) > 0, "the forced gates never closed: the test proves nothing"
+    assert summary["budget_utilization"] <= 1.0 + 1e-9
+
+
+def test_k_max_zero_is_plain_decoding(root, prompts, reference):
+    engine = HFEngine(root / "target", root / "eagle3",
+                      EngineOptions(method="echo", max_depth=4, echo=EchoSettings(k_max=0)))
+    assert_identical(engine, prompts[:3], reference[:3], "k_max=0")
+
+
+def test_sampling_runs_and_respects_length(root, prompts):
+    engine = HFEngine(root / "target", root / "eagle3",
+                      EngineOptions(method="echo", max_depth=5, echo=EchoSettings(k_max=12, warmup_steps=4)))
+    for i, p in enumerate(prompts[:4]):
+        out = engine.generate(p, MAX_NEW, temperature=0.8, seed=i).token_ids
+        assert 1 <= len(out) <= MAX_NEW
+
+
+def test_calibration_file_written_after_warmup(root, prompts, tmp_path):
+    path = tmp_path / "cal.json"
+    settings = EchoSettings(k_max=16, warmup_steps=6, min_samples_per_class=1, calibration_file=str(path))
+    engine = HFEngine(root / "target", root / "eagle3", EngineOptions(method="echo", max_depth=5, echo=settings))
+    for p in prompts[:3]:
+        engine.generate(p, MAX_NEW)
+    data = json.loads(path.read_text())
+    assert data["schema_version"] == 1 and data["max_depth"] == 5 and data["mode"] == "sparse"
+    again = HFEngine(root / "target", root / "eagle3", EngineOptions(method="echo", max_depth=5, echo=settings))
+    assert again.calibration == engine.calibration
+
+
+# ---- bad input ---------------------------------------------------------------------------------------------
+
+
+def test_empty_prompt_is_clear_error(root):
+    engine = HFEngine(root / "target", root / "eagle3", EngineOptions(method="echo", max_depth=3))
+    with pytest.raises(EngineInputError, match="empty prompt"):
+        engine.generate([], 4)
+
+
+def test_unknown_method_and_bad_depth(root):
+    with pytest.raises(EngineInputError, match="method"):
+        HFEngine(root / "target", root / "eagle3", EngineOptions(method="medusa"))
+    with pytest.raises(EngineInputError, match="max_depth"):
+        HFEngine(root / "target", root / "eagle3", EngineOptions(method="echo", max_depth=0))
+
+
+def test_missing_head_is_clear_error(root, tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        HFEngine(root / "target", tmp_path / "no-head", EngineOptions(method="echo"))
+
+
+def test_head_vocab_mismatch_is_clear_error(root):
+    with pytest.raises(ValueError, match="vocab_size .* differs"):
+        Eagle3Head.load(root / "eagle3", torch.zeros(100, 256))
+
+
+def test_corrupt_calibration_file_is_clear_error(root, tmp_path):
+    bad = tmp_path / "cal.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="cal.json"):
+        HFEngine(root / "target", root / "eagle3",
+                 EngineOptions(method="echo", max_depth=4, echo=EchoSettings(calibration_file=str(bad))))
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [({"k_max": -1}, "echo.k_max"), ({"top_k": 0}, "echo.top_k"), ({"delta": 1.5}, "echo.delta"),
+     ({"gate_mode": "always"}, "echo.gate_mode"), ({"kmax": 3}, "echo.kmax"), ({"k_max": True}, "echo.k_max")],
+)
+def test_bad_config_values_name_the_field(raw, field):
+    with pytest.raises(EchoConfigError, match=field.replace(".", r"\.")):
+        parse_echo_settings(raw)

@@ -66,11 +66,10 @@ def find_kustomize() -> list[str] | None:
         found = shutil.which(name)
         if found:
             candidates.append(found)
-    for path in candidates:
-        if Path(path).name.startswith("kustomize"):
-            return [path, "build"]
-        return [path, "kustomize"]
-    return None
+    if not candidates:
+        return None
+    first = candidates[0]
+    return [first, "build"] if Path(first).name.startswith("kustomize") else [first, "kustomize"]
 
 
 def kustomize_version(prefix: list[str]) -> str:
@@ -320,7 +319,7 @@ def check_rendered(resources: list[Resource]) -> list[str]:
             problems += _check_multinode(wname, wl, serve, serve_role, pods, pvcs)
         if serve_role not in ("pod", "leader"):
             problems.append(f"{wname}: vllm serve must run in the leader pod, found in {serve_role}")
-        problems += _check_serving_pod(wname, serve, serve_container, serve_tpl, configmaps, resources)
+        problems += _check_serving_pod(wname, wl, serve, serve_container, serve_tpl, configmaps, resources)
     return problems
 
 
@@ -369,7 +368,7 @@ def _check_multinode(wname, wl, serve, serve_role, pods, pvcs) -> list[str]:
     return sorted(set(problems), key=problems.index)
 
 
-def _check_serving_pod(wname, serve, container, tpl, configmaps, resources) -> list[str]:
+def _check_serving_pod(wname, wl, serve, container, tpl, configmaps, resources) -> list[str]:
     problems = []
     spec = tpl.get("spec") or {}
     cname = f"{wname}/{container.get('name')}"
@@ -429,9 +428,10 @@ def _check_serving_pod(wname, serve, container, tpl, configmaps, resources) -> l
         for sp in svc.get("spec", {}).get("ports") or []:
             if not _port_matches(sp.get("targetPort", sp.get("port")), port, container):
                 problems.append(f"Service/{_name(svc)}: targetPort {sp.get('targetPort')} is not the server port")
-    if len(_pods_of(next(r for r in resources if _name(r) == wname.split("/", 1)[1]))) > 1:
-        worker_labels = _pods_of(next(r for r in resources if _name(r) == wname.split("/", 1)[1]))[1][1]
-        worker_labels = (worker_labels.get("metadata") or {}).get("labels") or {}
+    for role, worker_tpl, _n in _pods_of(wl):
+        if role != "worker":
+            continue
+        worker_labels = (worker_tpl.get("metadata") or {}).get("labels") or {}
         for svc in services:
             selector = svc.get("spec", {}).get("selector") or {}
             if selector and all(worker_labels.get(k) == v for k, v in selector.items()):

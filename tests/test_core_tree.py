@@ -163,3 +163,22 @@ def test_large_batch_shapes():
     tree = grow_tree(drafter, 256, 6, 4)
     assert isinstance(tree, DraftTree)
     assert tree.tokens.shape == (256, 24) and bool(tree.valid.all())
+
+
+def test_stop_after_keeps_shape_and_invalidates_deeper_depths():
+    batch, max_depth, top_k = 3, 5, 2
+    full = grow_tree(SyntheticDrafter(batch, 9, max_depth, seed=4), batch, max_depth, top_k)
+    asked = []
+
+    def stop(depth, scores):
+        asked.append((depth, tuple(scores.shape)))
+        return depth == 2
+
+    cut = grow_tree(SyntheticDrafter(batch, 9, max_depth, seed=4), batch, max_depth, top_k, stop_after=stop)
+    assert asked == [(1, (batch, top_k)), (2, (batch, top_k))]
+    assert cut.tokens.shape == full.tokens.shape
+    kept = 2 * top_k
+    assert torch.equal(cut.tokens[:, :kept], full.tokens[:, :kept])
+    assert torch.equal(cut.scores[:, :kept], full.scores[:, :kept])
+    assert not cut.valid[:, kept:].any()
+    assert (cut.parent[:, kept:] < torch.arange(kept, max_depth * top_k)).all()  # still topologically numbered

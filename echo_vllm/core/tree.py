@@ -8,6 +8,7 @@ smaller index (parent[b, n] < n), as the budget selection requires.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 import torch
@@ -96,7 +97,13 @@ def _clean_logprobs(logprobs: torch.Tensor) -> torch.Tensor:
     return logprobs.clamp(max=0.0)
 
 
-def grow_tree(drafter: Drafter, batch: int, max_depth: int, top_k: int) -> DraftTree:
+def grow_tree(
+    drafter: Drafter,
+    batch: int,
+    max_depth: int,
+    top_k: int,
+    stop_after: Callable[[int, torch.Tensor], bool] | None = None,
+) -> DraftTree:
     """Grow a [B, max_depth * top_k] draft tree in the depth-major layout (no per-request Python loops).
 
     Depth 1: the top_k tokens of `drafter.root_logprobs()` (slot 0 = argmax). Depth d > 1: every frontier node
@@ -112,6 +119,10 @@ def grow_tree(drafter: Drafter, batch: int, max_depth: int, top_k: int) -> Draft
     Log-probs are cleaned first: NaN -> -inf and values > 0 clamped to 0 (so a child never scores above its
     parent, which the budget selection's ancestor closure relies on). A node is valid iff its score is finite;
     a node with a -inf score (zero draft probability, or under an invalid parent) is invalid.
+
+    `stop_after(depth, scores [B, k])`, if given, is asked after each depth < max_depth whether drafting deeper is
+    useless (e.g. every request's gate has closed); the remaining depths are then filled with invalid nodes, so
+    the tree keeps its shape. It costs a host sync per depth: the HF engine (B = 1) uses it, batched paths don't.
     """
     if max_depth < 1 or top_k < 1:
         raise ValueError(f"max_depth and top_k must be >= 1; got max_depth={max_depth}, top_k={top_k}")
@@ -128,6 +139,9 @@ def grow_tree(drafter: Drafter, batch: int, max_depth: int, top_k: int) -> Draft
     parent_slots = torch.zeros((batch, top_k), dtype=torch.int64, device=device)  # the root is slot 0 of depth 0
     num_cand = top_k * top_k
     for depth in range(2, max_depth + 1):
+        if stop_after is not None and stop_after(depth - 1, scores):
+            _pad_invalid(all_tokens, all_scores, all_parents, depth, max_depth, batch, top_k, device)
+            break
         logp = _clean_logprobs(drafter.expand(tokens, parent_slots, depth))
         if logp.shape[:2] != (batch, top_k) or logp.dim() != 3:
             raise ValueError(f"expand must return [B={batch}, k={top_k}, V]; got {tuple(logp.shape)}")
@@ -154,6 +168,15 @@ def grow_tree(drafter: Drafter, batch: int, max_depth: int, top_k: int) -> Draft
         valid=torch.isfinite(tree_scores),
         spine=spine,
     )
+
+
+def _pad_invalid(all_tokens, all_scores, all_parents, first_depth, max_depth, batch, top_k, device) -> None:
+    """Fill depths first_depth..max_depth with invalid nodes hanging off the previous depth's slots."""
+    for depth in range(first_depth, max_depth + 1):
+        all_tokens.append(torch.zeros((batch, top_k), dtype=torch.int64, device=device))
+        all_scores.append(torch.full((batch, top_k), float("-inf"), dtype=torch.float32, device=device))
+        slots = torch.arange(top_k, dtype=torch.int32, device=device).expand(batch, top_k)
+        all_parents.append(slots + (depth - 2) * top_k)
 
 
 class SyntheticDrafter:

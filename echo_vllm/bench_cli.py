@@ -9,7 +9,7 @@ from typing import Any
 
 from echo_vllm.testbed.paths import TestbedError, testbed_dir
 
-VLLM_METHODS = ("nospec", "eagle3")
+VLLM_METHODS = ("nospec", "eagle3", "echo")
 
 
 def _csv(value: str) -> list[str]:
@@ -34,11 +34,15 @@ def resolve_testbed(explicit: str | None) -> Path:
     return root
 
 
-def speculative_config_for(method: str, head: Path, depth: int) -> dict[str, Any] | None:
+def speculative_config_for(
+    method: str, head: Path, depth: int, echo: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
     if method == "nospec":
         return None
     if method == "eagle3":
         return {"method": "eagle3", "model": str(head), "num_speculative_tokens": depth}
+    if method == "echo":  # the echo-vllm plugin turns this into an eagle3 run with ECHO's per-step budget
+        return {"method": "echo", "model": str(head), "num_speculative_tokens": depth, "echo": dict(echo or {})}
     raise TestbedError(f"--methods: unknown method {method!r}; choose from {', '.join(VLLM_METHODS)}")
 
 
@@ -61,8 +65,9 @@ def bench_vllm(args: argparse.Namespace) -> int:
 
     root = resolve_testbed(args.testbed)
     methods = _csv(args.methods)
+    echo = _echo_options(args)
     for method in methods:
-        speculative_config_for(method, root / "eagle3", args.depth)  # validate names before any engine starts
+        speculative_config_for(method, root / "eagle3", args.depth, echo)  # validate before any engine starts
     prompts = load_prompts(args.dataset, args.limit)
     results = []
     for batch_size in args.batch_sizes:
@@ -73,7 +78,7 @@ def bench_vllm(args: argparse.Namespace) -> int:
                 "prompts": prompts,
                 "max_tokens": args.max_tokens,
                 "max_num_seqs": batch_size,
-                "speculative_config": speculative_config_for(method, root / "eagle3", args.depth),
+                "speculative_config": speculative_config_for(method, root / "eagle3", args.depth, echo),
             }
             print(f"[bench vllm] {method} batch={batch_size} prompts={len(prompts)} ...", flush=True)
             out = run_in_subprocess(job)
@@ -97,6 +102,16 @@ def bench_vllm(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"results": results}, indent=2) + "\n")
     return 0 if all(r["identical_to_baseline"] for r in results) else 1
+
+
+def _echo_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The `echo` block for method 'echo' from --k-max/--top-k/--warmup-steps, validated like echo.json."""
+    from echo_vllm.config import parse_echo_settings  # noqa: PLC0415
+
+    raw = {"k_max": getattr(args, "k_max", 16), "top_k": getattr(args, "top_k", 1),
+           "warmup_steps": getattr(args, "warmup_steps", 16)}
+    parse_echo_settings(raw)
+    return raw
 
 
 def bench_hf_command(args: argparse.Namespace) -> int:
@@ -125,6 +140,9 @@ def _add_vllm_args(parser: argparse.ArgumentParser, *, batch_sizes: str, limit: 
     parser.add_argument("--limit", type=int, default=limit, help="number of prompts")
     parser.add_argument("--max-tokens", type=int, default=max_tokens)
     parser.add_argument("--depth", type=int, default=4, help="num_speculative_tokens (max draft depth)")
+    parser.add_argument("--k-max", type=int, default=16, help="echo: batch-wide draft tokens verified per step")
+    parser.add_argument("--top-k", type=int, default=1, help="echo: top_k (vLLM 0.32 verifies chains: 1)")
+    parser.add_argument("--warmup-steps", type=int, default=16, help="echo: verification steps before gates apply")
     parser.add_argument("--json", help="write results here")
 
 

@@ -12,14 +12,14 @@ import sys
 from pathlib import Path
 
 from echo_vllm import __version__
-from echo_vllm.config import EchoConfigError
-from echo_vllm.testbed.paths import TestbedError, testbed_dir
+from echo_vllm.errors import EchoUserError
+from echo_vllm.testbed.paths import testbed_dir
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_TESTBED = REPO_ROOT / "tests" / "assets" / "testbed"
 
 
-class UserError(Exception):
+class UserError(EchoUserError):
     """Anything the user can fix; printed as one line."""
 
 
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (UserError, TestbedError, EchoConfigError, FileNotFoundError) as err:
+    except (EchoUserError, FileNotFoundError) as err:
         print(f"echo-vllm: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

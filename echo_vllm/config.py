@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from echo_vllm.errors import EchoUserError
 
 GateMode = Literal["sparse", "dense", "fixed"]
 
 
-class EchoConfigError(ValueError):
+class EchoConfigError(EchoUserError, ValueError):
     """A user-facing configuration error; the message names the field and the fix."""
 
 
@@ -23,7 +25,7 @@ class EchoSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    k_max: Union[int, Literal["auto"]] = Field(
+    k_max: int | Literal["auto"] = Field(
         default=64,
         description="Batch-wide cap on draft tokens verified per step (sum over requests). "
         "0 disables speculation. 'auto' is not implemented yet.",

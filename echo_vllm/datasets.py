@@ -7,10 +7,12 @@ import importlib.util
 import json
 from pathlib import Path
 
+from echo_vllm.errors import EchoUserError
+
 DATASETS = ("humaneval", "mtbench")
 
 
-class DatasetError(RuntimeError):
+class DatasetError(EchoUserError, RuntimeError):
     pass
 
 

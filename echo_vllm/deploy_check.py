@@ -295,6 +295,10 @@ def check_rendered(resources: list[Resource]) -> list[str]:
                     if serve is not None:
                         problems.append(f"{wname}: more than one container runs vllm serve")
                     serve, serve_role, serve_container, serve_tpl = found, role, c, tpl
+            for c in spec.get("containers") or []:
+                image = str(c.get("image", ""))
+                if "@" not in image and (":" not in image.rsplit("/", 1)[-1] or image.endswith(":latest")):
+                    problems.append(f"{where}/{c.get('name')}: image {image!r} needs an explicit tag or digest")
             if pod_gpus == 0:
                 problems.append(f"{where}: requests no {GPU}")
             if gpn is not None and pod_gpus != gpn:
@@ -316,7 +320,17 @@ def check_rendered(resources: list[Resource]) -> list[str]:
                 f"tensor-parallel-size {tp} x pipeline-parallel-size {pp} = {tp * pp}"
             )
         if pods_per_instance > 1:
-            problems += _check_multinode(wname, wl, serve, serve_role, pods, pvcs)
+            problems += _check_multinode(wname, wl, serve, pods, pvcs)
+        images = {c.get("image") for _r, t, _n in pods for c in (t.get("spec") or {}).get("containers") or []}
+        if len(images) > 1:
+            problems.append(f"{wname}: pods run different images {sorted(map(str, images))}; Ray needs one build")
+        replicas = _int(wl.get("spec", {}).get("replicas", 1)) or 0
+        if wl["kind"] == "Deployment" and replicas > 1:
+            for vol in wl["spec"]["template"].get("spec", {}).get("volumes") or []:
+                claim = (vol.get("persistentVolumeClaim") or {}).get("claimName")
+                modes = pvcs.get(claim, {}).get("spec", {}).get("accessModes", [])
+                if claim in pvcs and not {"ReadWriteMany", "ReadOnlyMany"} & set(modes):
+                    problems.append(f"{wname}: {replicas} replicas share PVC {claim} ({modes}): needs ReadWriteMany")
         if serve_role not in ("pod", "leader"):
             problems.append(f"{wname}: vllm serve must run in the leader pod, found in {serve_role}")
         problems += _check_serving_pod(wname, wl, serve, serve_container, serve_tpl, configmaps, resources)
@@ -327,7 +341,9 @@ def _check_pod_basics(where: str, spec: dict, configmaps: dict, pvcs: dict) -> l
     problems = []
     for vol in spec.get("volumes") or []:
         if "configMap" in vol and vol["configMap"].get("name") not in configmaps:
-            problems.append(f"{where}: volume {vol['name']} references missing ConfigMap {vol['configMap'].get('name')}")
+            problems.append(
+                f"{where}: volume {vol['name']} references missing ConfigMap {vol['configMap'].get('name')}"
+            )
         claim = (vol.get("persistentVolumeClaim") or {}).get("claimName")
         if "persistentVolumeClaim" in vol and claim not in pvcs:
             problems.append(f"{where}: volume {vol['name']} references missing PVC {claim}")
@@ -340,13 +356,15 @@ def _check_pod_basics(where: str, spec: dict, configmaps: dict, pvcs: dict) -> l
     return problems
 
 
-def _check_multinode(wname, wl, serve, serve_role, pods, pvcs) -> list[str]:
+def _check_multinode(wname, wl, serve, pods, pvcs) -> list[str]:
     problems = []
     if wl["kind"] != "LeaderWorkerSet":
         problems.append(f"{wname}: a multi-pod instance must be a LeaderWorkerSet")
         return problems
     if serve["backend"] != "ray":
-        problems.append(f"{wname}: multi-node serving needs --distributed-executor-backend ray, got {serve['backend']!r}")
+        problems.append(
+            f"{wname}: multi-node serving needs --distributed-executor-backend ray, got {serve['backend']!r}"
+        )
     if wl.get("spec", {}).get("startupPolicy") == "LeaderReady":
         problems.append(
             f"{wname}: startupPolicy LeaderReady deadlocks (the leader is ready only after the workers join Ray); "
@@ -533,8 +551,30 @@ def validate_schemas(resources: list[Resource], k8s_version: str = DEFAULT_K8S_V
 # ------------------------------------------------------------------------------------------------- CLI
 
 
-def ray_gpus(address: str = "auto") -> float:
-    """Total GPUs that the Ray cluster at `address` reports."""
+def _gcs_address(address: str) -> str | None:
+    """host:port that `ray.init(address)` would dial, when it can be told without Ray."""
+    if address != "auto":
+        return address
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"]
+    current = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"
+    return current.read_text().strip() if current.is_file() else None
+
+
+def ray_gpus(address: str = "auto", connect_timeout: float = 10.0) -> float:
+    """Total GPUs that the Ray cluster at `address` reports. Fails fast when nothing listens there (ray.init
+    itself keeps retrying for minutes)."""
+    import socket  # noqa: PLC0415
+
+    gcs = _gcs_address(address)
+    if gcs is None:
+        raise ConnectionError("no running Ray cluster found on this node (start-head.sh first, or set RAY_ADDRESS)")
+    host, _, port = gcs.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=connect_timeout).close()
+    except (OSError, ValueError) as err:
+        raise ConnectionError(f"nothing answers at {gcs}: {err}") from None
+
     import ray  # noqa: PLC0415
 
     ray.init(address=address, logging_level="ERROR", log_to_driver=False)

@@ -82,3 +82,30 @@ def test_quick_testbed_builds_and_loads(tmp_path):
     assert head.config.vocab_size == manifest["vocab_size"]
     with pytest.raises(ValueError, match="vocab_size"):
         Eagle3Head.load(out / "eagle3", torch.zeros(7, head.config.hidden_size))
+
+
+def test_bench_hf_smoke_writes_the_documented_json(tmp_path):
+    from testbed_fixture import shipped_testbed
+
+    out = tmp_path / "bench.json"
+    proc = run_cli("bench", "hf", "--testbed", str(shipped_testbed()), "--methods", "ar,eagle2,echo",
+                   "--dataset", "humaneval,mtbench", "--limit", "2", "--max-tokens", "8", "--warmup-steps", "2",
+                   "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    assert {(r["method"], r["dataset"]) for r in results} == {
+        (m, d) for m in ("ar", "eagle2", "echo") for d in ("humaneval", "mtbench")}
+    keys = {"method", "dataset", "batch_size", "mat", "draft_utilization", "tokens_per_s", "speedup_vs_ar",
+            "verified_per_accepted", "identical_to_ar"}
+    for row in results:
+        assert keys <= row.keys()
+        assert row["identical_to_ar"] is True
+    assert "speedup_vs_ar" in proc.stdout  # the printed table
+
+
+def test_bench_hf_unknown_method_is_one_line_error():
+    from testbed_fixture import shipped_testbed
+
+    proc = run_cli("bench", "hf", "--testbed", str(shipped_testbed()), "--methods", "ar,medusa", "--limit", "1")
+    assert proc.returncode == 2
+    assert "medusa" in proc.stderr and "Traceback" not in proc.stderr

@@ -7,10 +7,10 @@ vLLM must behave exactly as without it.
 from __future__ import annotations
 
 import pytest
+from testbed_fixture import shipped_testbed
 
 from echo_vllm.datasets import humaneval_prompts
 from echo_vllm.vllm.offline import run_in_subprocess
-from testbed_fixture import shipped_testbed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

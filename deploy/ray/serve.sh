@@ -20,7 +20,6 @@ VLLM="${VLLM:-vllm}"
 config="${ECHO_CONFIG:-echo.json}"
 tp=1
 pp=1
-model=""
 rest=()
 
 die() {
@@ -29,8 +28,15 @@ die() {
 }
 
 usage() {
-  sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,/^set -euo pipefail/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'
 }
+
+case "${1:-}" in
+  -h | --help) usage; exit 0 ;;
+  "" | -*) die "MODEL is required as the first argument: serve.sh MODEL [--speculative-config echo.json] ... (see --help)" ;;
+esac
+model="$1"
+shift
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -43,17 +49,10 @@ while [[ $# -gt 0 ]]; do
     --distributed-executor-backend | --distributed-executor-backend=*)
       die "serve.sh always uses --distributed-executor-backend ray; do not pass it" ;;
     -h | --help) usage; exit 0 ;;
-    *)
-      if [[ -z "$model" && "$1" != -* ]]; then
-        model="$1"
-      else
-        rest+=("$1")
-      fi
-      shift ;;
+    *) rest+=("$1"); shift ;;
   esac
 done
 
-[[ -n "$model" ]] || die "MODEL is required: serve.sh MODEL [--speculative-config echo.json] ... (see --help)"
 [[ "$tp" =~ ^[1-9][0-9]*$ ]] || die "--tensor-parallel-size must be a positive integer, got '$tp'"
 [[ "$pp" =~ ^[1-9][0-9]*$ ]] || die "--pipeline-parallel-size must be a positive integer, got '$pp'"
 

@@ -9,7 +9,7 @@
 #   --num-gpus      GPUs Ray may use here (default: Ray detects them)
 #   --expect-nodes  wait until the cluster has this many alive nodes, head included (default 1: no wait)
 #   --timeout       how long to wait for them (default 600 s)
-# Environment: PYTHON (default python3), RAY (default ray).
+# Environment: PYTHON (default python3), RAY (default ray), ECHO_RAY_POLL_S (poll interval, default 5 s).
 set -euo pipefail
 
 PYTHON="${PYTHON:-python3}"
@@ -27,7 +27,7 @@ die() {
 }
 
 usage() {
-  sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,/^set -euo pipefail/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'
 }
 
 while [[ $# -gt 0 ]]; do
@@ -71,12 +71,12 @@ echo "start-head.sh: $RAY ${args[*]} ${extra[*]}"
 
 if ((expect_nodes > 1)); then
   echo "start-head.sh: waiting up to ${timeout_s}s for $expect_nodes Ray nodes"
-  "$PYTHON" - "$expect_nodes" "$timeout_s" "${node_ip:-127.0.0.1}:$port" <<'PY'
+  "$PYTHON" - "$expect_nodes" "$timeout_s" "${node_ip:-127.0.0.1}:$port" "${ECHO_RAY_POLL_S:-5}" <<'PY'
 import sys, time
 
 import ray
 
-want, timeout, address = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+want, timeout, address, poll = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], float(sys.argv[4])
 ray.init(address=address, logging_level="ERROR", log_to_driver=False)
 deadline = time.monotonic() + timeout
 while True:
@@ -87,6 +87,6 @@ while True:
         break
     if time.monotonic() > deadline:
         sys.exit(f"start-head.sh: error: only {len(alive)} of {want} Ray nodes joined within {timeout:g}s")
-    time.sleep(5)
+    time.sleep(poll)
 PY
 fi

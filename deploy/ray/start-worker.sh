@@ -10,7 +10,7 @@
 #   --num-gpus    GPUs Ray may use here (default: Ray detects them)
 #   --timeout     how long to wait for the head to come up (default 600 s)
 #   --block       stay in the foreground while the Ray node runs (containers)
-# Environment: PYTHON (default python3), RAY (default ray).
+# Environment: PYTHON (default python3), RAY (default ray), ECHO_RAY_POLL_S (poll interval, default 5 s).
 set -euo pipefail
 
 PYTHON="${PYTHON:-python3}"
@@ -19,6 +19,7 @@ port="${RAY_PORT:-6379}"
 node_ip="${VLLM_HOST_IP:-${POD_IP:-}}"
 num_gpus=""
 timeout_s=600
+poll_s="${ECHO_RAY_POLL_S:-5}"
 block=0
 head=""
 extra=()
@@ -29,7 +30,7 @@ die() {
 }
 
 usage() {
-  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,/^set -euo pipefail/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'
 }
 
 while [[ $# -gt 0 ]]; do
@@ -74,7 +75,7 @@ deadline=$((SECONDS + timeout_s))
 until "$RAY" health-check --address "$head" >/dev/null 2>&1; do
   ((SECONDS < deadline)) || die "no Ray head answered at $head within ${timeout_s}s"
   echo "start-worker.sh: waiting for the Ray head at $head"
-  sleep 5
+  sleep "$poll_s"
 done
 
 args=(start --address="$head" --disable-usage-stats)

@@ -28,11 +28,13 @@ from typing import Any
 
 import torch
 
+from echo_vllm.errors import EchoUserError
+
 SCHEMA_VERSION = 1
 MODES = ("sparse", "dense", "fixed")
 
 
-class CalibrationError(ValueError):
+class CalibrationError(EchoUserError, ValueError):
     """A calibration file or input that cannot be used; the message names the file, the field and the fix."""
 
 

@@ -33,6 +33,7 @@ from echo_vllm.core import (
     verify_greedy,
     verify_sampling,
 )
+from echo_vllm.errors import EchoUserError
 from echo_vllm.hf.drafter import Eagle3TreeDrafter
 from echo_vllm.hf.target import HFTarget
 from echo_vllm.models.eagle3 import Eagle3Head
@@ -42,7 +43,7 @@ METHODS = ("ar", "chain", "eagle2", "dense", "fixed", "echo")
 GATED = {"dense": "dense", "fixed": "fixed", "echo": "sparse"}
 
 
-class EngineInputError(ValueError):
+class EngineInputError(EchoUserError, ValueError):
     pass
 
 

@@ -18,7 +18,10 @@ from pathlib import Path
 import torch
 
 from echo_vllm.models.eagle3 import Eagle3Config, Eagle3Head, init_head_weights
-from echo_vllm.testbed import corpus, head as head_train, target as target_train, tokenizer as tok_mod
+from echo_vllm.testbed import corpus
+from echo_vllm.testbed import head as head_train
+from echo_vllm.testbed import target as target_train
+from echo_vllm.testbed import tokenizer as tok_mod
 from echo_vllm.testbed.paths import TestbedError, ensure_writable, stdlib_dir
 
 TESTBED_FORMAT = 1

@@ -6,10 +6,12 @@ import os
 import sysconfig
 from pathlib import Path
 
+from echo_vllm.errors import EchoUserError
+
 DEFAULT_TESTBED_DIR = Path("~/.cache/echo-vllm/testbed")
 
 
-class TestbedError(RuntimeError):
+class TestbedError(EchoUserError, RuntimeError):
     """A user-facing testbed problem (bad --out, missing sources): printed without a traceback."""
 
 

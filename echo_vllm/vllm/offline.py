@@ -82,9 +82,15 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_in_subprocess(job: dict[str, Any], timeout: float = 900) -> dict[str, Any]:
-    """Run `job` in a fresh interpreter with the CPU runtime settings; raise with its stderr on failure."""
+def run_in_subprocess(
+    job: dict[str, Any], timeout: float = 900, extra_env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run `job` in a fresh interpreter with the CPU runtime settings; raise with its stderr on failure.
+
+    `extra_env` adds variables for that process only (e.g. ECHO_VLLM_STEP_LOG, the ECHO per-step budget log).
+    """
     env = cpu_runtime_env(os.environ)
+    env.update(extra_env or {})
     proc = subprocess.run(
         [sys.executable, "-m", "echo_vllm.vllm.offline"],
         input=json.dumps(job),

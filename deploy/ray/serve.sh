@@ -14,6 +14,8 @@
 # Checks first: echo-vllm importable, echo.json valid, the Ray cluster has >= N x M GPUs
 # (ECHO_SKIP_RAY_CHECK=1 skips the last). Environment: PYTHON (default python3), VLLM (default vllm).
 set -euo pipefail
+# shellcheck source=lib.sh disable=SC1091  # lib.sh is linted on its own
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 PYTHON="${PYTHON:-python3}"
 VLLM="${VLLM:-vllm}"
@@ -56,20 +58,7 @@ done
 [[ "$tp" =~ ^[1-9][0-9]*$ ]] || die "--tensor-parallel-size must be a positive integer, got '$tp'"
 [[ "$pp" =~ ^[1-9][0-9]*$ ]] || die "--pipeline-parallel-size must be a positive integer, got '$pp'"
 
-py="$(command -v "$PYTHON")" || die "python interpreter '$PYTHON' not found (set PYTHON)"
-[[ "$py" == /* ]] || py="$PWD/$py"
-PYTHON="$py"
-# vLLM loads the ECHO plugin in every process on every node: echo-vllm must be installed here. The check runs
-# from / so that a source checkout in the current directory does not count as installed.
-if ! err="$(cd / && "$PYTHON" -c '
-import importlib.metadata as md
-import echo_vllm
-if not any(e.name == "echo" for e in md.entry_points(group="vllm.general_plugins")):
-    raise SystemExit("echo_vllm imports, but its vllm.general_plugins entry point is not installed")
-' 2>&1)"; then
-  die "echo-vllm is not importable with $PYTHON on $(hostname): ${err##*$'\n'}
-Install it on every node first (pip install --no-build-isolation /path/to/echo-vllm), or use the echo-vllm image."
-fi
+require_echo_vllm
 command -v "$VLLM" >/dev/null 2>&1 || die "'$VLLM' not found: install vllm==0.32.0 on every node"
 
 [[ "$config" != "{"* ]] || die "--speculative-config must be a file (echo.json), not inline JSON"

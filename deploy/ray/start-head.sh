@@ -11,6 +11,8 @@
 #   --timeout       how long to wait for them (default 600 s)
 # Environment: PYTHON (default python3), RAY (default ray), ECHO_RAY_POLL_S (poll interval, default 5 s).
 set -euo pipefail
+# shellcheck source=lib.sh disable=SC1091  # lib.sh is linted on its own
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 PYTHON="${PYTHON:-python3}"
 RAY="${RAY:-ray}"
@@ -46,21 +48,7 @@ done
 [[ "$expect_nodes" =~ ^[1-9][0-9]*$ ]] || die "--expect-nodes must be a positive integer, got '$expect_nodes'"
 [[ "$timeout_s" =~ ^[0-9]+$ ]] || die "--timeout must be a number of seconds, got '$timeout_s'"
 
-# vLLM's Ray workers load the ECHO plugin on every node: echo-vllm must be importable here.
-py="$(command -v "$PYTHON")" || die "python interpreter '$PYTHON' not found (set PYTHON)"
-[[ "$py" == /* ]] || py="$PWD/$py"
-PYTHON="$py"
-# vLLM loads the ECHO plugin in every process on every node: echo-vllm must be installed here. The check runs
-# from / so that a source checkout in the current directory does not count as installed.
-if ! err="$(cd / && "$PYTHON" -c '
-import importlib.metadata as md
-import echo_vllm
-if not any(e.name == "echo" for e in md.entry_points(group="vllm.general_plugins")):
-    raise SystemExit("echo_vllm imports, but its vllm.general_plugins entry point is not installed")
-' 2>&1)"; then
-  die "echo-vllm is not importable with $PYTHON on $(hostname): ${err##*$'\n'}
-Install it on every node first (pip install --no-build-isolation /path/to/echo-vllm), or use the echo-vllm image."
-fi
+require_echo_vllm
 command -v "$RAY" >/dev/null 2>&1 || die "'$RAY' not found: pip install 'echo-vllm[ray]' (ray[default])"
 
 args=(start --head --port="$port" --disable-usage-stats)

@@ -36,7 +36,7 @@ from echo_vllm.core import (
 from echo_vllm.errors import EchoUserError
 from echo_vllm.hf.drafter import Eagle3TreeDrafter
 from echo_vllm.hf.target import HFTarget
-from echo_vllm.models.eagle3 import Eagle3Head
+from echo_vllm.models.eagle3 import Eagle3Head, read_head_config
 from echo_vllm.ops import select_budget
 
 METHODS = ("ar", "chain", "eagle2", "dense", "fixed", "echo")
@@ -73,17 +73,11 @@ class HFEngine:
         options.validate()
         self.options = options
         self.method = options.method
-        head = None
         aux_ids: tuple[int, ...] = ()
         if self.method != "ar":
             if head_dir is None:
                 raise EngineInputError(f"method {self.method!r} needs an EAGLE-3 head directory")
-            import json  # noqa: PLC0415
-
-            head_config = Path(head_dir) / "config.json"
-            if not head_config.is_file():
-                raise FileNotFoundError(f"EAGLE-3 head: {head_config} is missing")
-            aux_ids = tuple(json.loads(head_config.read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+            aux_ids = read_head_config(head_dir).aux_layer_ids
         self.target = HFTarget(target_dir, aux_ids, dtype=dtype)
         if self.method != "ar":
             head = Eagle3Head.load(head_dir, self.target.embedding.detach().to(torch.float32)).to(dtype)

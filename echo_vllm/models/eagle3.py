@@ -183,13 +183,10 @@ class Eagle3Head(nn.Module):
     def load(cls, head_dir: Path | str, target_embedding: torch.Tensor) -> Eagle3Head:
         """Load a head saved by `save` (safetensors + JSON only); `target_embedding` is the target's [V, H]."""
         head_dir = Path(head_dir)
-        config_path = head_dir / "config.json"
+        config = read_head_config(head_dir)
         weights_path = head_dir / "model.safetensors"
-        for path in (config_path, weights_path):
-            if not path.is_file():
-                raise FileNotFoundError(f"EAGLE-3 head: {path} is missing; build the testbed or point to a head dir")
-        hf = json.loads(config_path.read_text())
-        config = config_from_hf(hf)
+        if not weights_path.is_file():
+            raise FileNotFoundError(f"EAGLE-3 head: {weights_path} is missing; build the testbed or point to a head dir")
         if target_embedding.shape[0] != config.vocab_size:
             raise ValueError(
                 f"EAGLE-3 head vocab_size {config.vocab_size} differs from the target's "
@@ -206,6 +203,14 @@ class Eagle3Head(nn.Module):
                 param.copy_(state[name].to(param.dtype))
             head.embed_tokens.weight.copy_(target_embedding)
         return head
+
+
+def read_head_config(head_dir: Path | str) -> Eagle3Config:
+    """The head's config.json (JSON only), with a clear error when it is missing."""
+    config_path = Path(head_dir) / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"EAGLE-3 head: {config_path} is missing; build the testbed or point to a head dir")
+    return config_from_hf(json.loads(config_path.read_text()))
 
 
 def config_from_hf(hf: dict) -> Eagle3Config:

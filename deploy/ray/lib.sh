@@ -1,5 +1,15 @@
 # shellcheck shell=bash
-# Shared by start-head.sh, start-worker.sh and serve.sh (sourced, not run). Expects die() and PYTHON.
+# Shared by start-head.sh, start-worker.sh and serve.sh (sourced, not run).
+
+die() {
+  echo "$(basename "$0"): error: $*" >&2
+  exit 1
+}
+
+# The script's leading comment block is its --help.
+usage() {
+  sed -n '2,/^set -euo pipefail/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'
+}
 
 # vLLM loads the ECHO plugin in every process on every node: echo-vllm must be installed here. The check runs
 # from / so that a source checkout in the current directory does not count as installed. Sets PYTHON to an

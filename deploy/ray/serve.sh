@@ -24,14 +24,7 @@ tp=1
 pp=1
 rest=()
 
-die() {
-  echo "serve.sh: error: $*" >&2
-  exit 1
-}
 
-usage() {
-  sed -n '2,/^set -euo pipefail/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'
-}
 
 case "${1:-}" in
   -h | --help) usage; exit 0 ;;

@@ -23,14 +23,7 @@ expect_nodes=1
 timeout_s=600
 extra=()
 
-die() {
-  echo "start-head.sh: error: $*" >&2
-  exit 1
-}
 
-usage() {
-  sed -n '2,/^set -euo pipefail/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'
-}
 
 while [[ $# -gt 0 ]]; do
   case "$1" in

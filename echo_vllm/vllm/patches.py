@@ -160,7 +160,10 @@ class EchoDrafterPatch(EchoPatch):
         def __init__(self, vllm_config, *args, **kwargs):
             if echo_spec.echo_payload(vllm_config) is None:
                 return original(self, vllm_config, *args, **kwargs)
+            from echo_vllm.vllm.cpu_fixes import CpuExpandKernelOverride  # noqa: PLC0415
             from echo_vllm.vllm.proposer import EchoProposer  # noqa: PLC0415
+
+            CpuExpandKernelOverride.activate()  # before the runner builds its samplers
 
             module = importlib.import_module("vllm.v1.worker.gpu_model_runner")
             saved = module.EagleProposer

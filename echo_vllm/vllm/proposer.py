@@ -113,14 +113,16 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
     # ---------------------------------------------------------------------------------------------------------
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
-        """As vLLM's, plus the draft log-prob of each drafted token (path scores need it, not just the argmax)."""
+        """The argmax draft token plus its draft log-prob (path scores need it, not just the argmax).
+
+        Always argmax, even with draft_sample_method='probabilistic': ECHO's drafts are deterministic (top-k), and
+        the rejection sampler then verifies them with no draft probabilities (accept x with probability p(x),
+        resample from p without x), which is exact for deterministic drafts.
+        """
         logits = self.model.compute_logits(hidden_states)
         if self.use_heterogeneous_vocab:
             logits = self.vocab_mapping.constrain_draft_logits(logits)
-        if not self._enable_probabilistic_draft_probs or sampling_metadata.all_greedy:
-            draft_ids, draft_probs = logits.argmax(dim=-1), None
-        else:
-            draft_ids, draft_probs = self._sample_from_logits(logits, sampling_metadata)
+        draft_ids, draft_probs = logits.argmax(dim=-1), None
         logp = torch.log_softmax(logits.float(), dim=-1)
         self._echo_logps.append(logp.gather(-1, draft_ids.long().unsqueeze(-1)).squeeze(-1))
         if self.use_heterogeneous_vocab:

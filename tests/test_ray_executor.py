@@ -1,5 +1,5 @@
-"""Ray, for multi-node serving: deploy/ray's scripts form a real (local) Ray cluster, and vLLM's Ray executor
-generates the same greedy tokens as the in-process executor.
+"""Ray, for multi-node serving: deploy/ray's scripts form a real (local) Ray cluster, and the testbed with ECHO
+through vLLM's Ray executor generates the same greedy tokens as no-spec in-process.
 
 Everything runs on this machine only (Ray on 127.0.0.1, free ports, its own temp dir) and is stopped by process
 session id afterwards, never with `ray stop` (which would stop every Ray on the machine).
@@ -12,7 +12,6 @@ On a CUDA machine with vllm==0.32.0 and ray it runs for real.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -20,7 +19,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
@@ -200,58 +198,6 @@ def test_scripts_form_a_two_node_ray_cluster(local_ray):
 
 # ------------------------------------------------------------------------- vLLM's Ray executor vs in-process
 
-MAKE_MODEL = textwrap.dedent(
-    """
-    import json, sys
-    from pathlib import Path
-
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out = Path(sys.argv[1])
-    out.mkdir(parents=True, exist_ok=True)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for word in "the a of and to in is was for on that with as by it at from this be are".split():
-        vocab[word] = len(vocab)
-    while len(vocab) < 512:
-        vocab[f"tok{len(vocab)}"] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "unk_token": "<unk>", "model_max_length": 512}))
-    torch.manual_seed(0)
-    # head_dim 32: the smallest the vLLM CPU attention backend supports.
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    LlamaForCausalLM(cfg).save_pretrained(out, safe_serialization=True)
-    """
-)
-
-GENERATE = textwrap.dedent(
-    """
-    import json, sys
-
-    def main():
-        from vllm import LLM, SamplingParams
-
-        model, backend = sys.argv[1], sys.argv[2]
-        kwargs = {} if backend == "default" else {"distributed_executor_backend": backend}
-        llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=128, max_num_seqs=4,
-                  seed=0, **kwargs)
-        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-        outs = llm.generate(["the a of and", "in is was for on that"], params)
-        print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
-
-    if __name__ == "__main__":
-        main()
-    """
-)
-
-
 def _platform_ray_support() -> tuple[bool, str]:
     from vllm.platforms import current_platform
 
@@ -263,39 +209,11 @@ def _platform_ray_support() -> tuple[bool, str]:
     )
 
 
-def _vllm_env() -> dict[str, str]:
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "OMP_NUM_THREADS": "1",
-    }
-    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
-    if iomp.is_file() and "libiomp5" not in env.get("LD_PRELOAD", ""):
-        env["LD_PRELOAD"] = ":".join(x for x in (str(iomp), env.get("LD_PRELOAD", "")) if x)
-    return env
-
-
-def _generate(tmp_path: Path, model: Path, backend: str, env: dict[str, str], timeout: int = 300) -> list:
-    script = tmp_path / "generate.py"
-    script.write_text(GENERATE)
-    proc = subprocess.run(
-        [sys.executable, str(script), str(model), backend],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("TOKENS ")]
-    assert proc.returncode == 0 and lines, f"{backend} executor failed:\n{(proc.stdout + proc.stderr)[-4000:]}"
-    return json.loads(lines[-1][len("TOKENS ") :])
-
-
 @pytest.mark.slow
 @pytest.mark.vllm
 @live_ray
-def test_ray_executor_matches_in_process(local_ray, tmp_path):
+def test_ray_executor_echo_matches_no_spec(local_ray):
+    """The testbed with ECHO through vLLM's Ray executor: greedy output identical to no-spec in-process."""
     pytest.importorskip("vllm")
     pytest.importorskip("ray")
     supported, reason = _platform_ray_support()
@@ -303,19 +221,29 @@ def test_ray_executor_matches_in_process(local_ray, tmp_path):
         pytest.skip(reason)
 
     import torch
+    from testbed_fixture import shipped_testbed
 
-    model = tmp_path / "tiny-llama"
-    subprocess.run([sys.executable, "-c", MAKE_MODEL, str(model)], check=True, timeout=120, capture_output=True)
-    env = _vllm_env()
+    from echo_vllm.datasets import humaneval_prompts
+    from echo_vllm.launch import cpu_runtime_env
+    from echo_vllm.vllm.offline import run_in_subprocess
 
-    reference = _generate(tmp_path, model, "default", env)
-    assert len(reference) == 2 and all(len(t) == 16 for t in reference)
+    root = shipped_testbed()
+    job = {"model": str(root / "target"), "prompts": humaneval_prompts(8), "max_tokens": 32, "max_num_seqs": 8}
+    reference = run_in_subprocess(job)
 
     gpus = 1 if torch.cuda.is_available() else 0
-    ray = local_ray(env={k: v for k, v in env.items() if k != "LD_PRELOAD"})
+    # Ray's own processes must not inherit the Intel OpenMP preload.
+    env = {k: v for k, v in cpu_runtime_env(os.environ, in_process=False).items() if k != "LD_PRELOAD"}
+    ray = local_ray(env=env)
     head = ray.start_head(num_gpus=gpus, num_cpus=2)
     out, _ = head.communicate(timeout=120)
     assert head.returncode == 0, out[-3000:]
 
-    through_ray = _generate(tmp_path, model, "ray", {**env, "RAY_ADDRESS": ray.address})
-    assert through_ray == reference
+    through_ray = run_in_subprocess(
+        {**job, "executor": "ray", "speculative_config": {
+            "method": "echo", "model": str(root / "eagle3"), "num_speculative_tokens": 4,
+            "echo": {"k_max": 12, "warmup_steps": 8}}},
+        extra_env={"RAY_ADDRESS": ray.address, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+    )
+    assert through_ray["token_ids"] == reference["token_ids"]
+    assert through_ray["spec"]["num_drafts"] > 0

@@ -120,9 +120,9 @@ def bench_hf_command(args: argparse.Namespace) -> int:
 
     root = resolve_testbed(args.testbed)
     settings = parse_echo_settings({"k_max": args.k_max, "top_k": args.top_k, "warmup_steps": args.warmup_steps,
-                                    "delta": args.delta})
+                                    "delta": args.delta, "surplus_width": args.surplus_width})
     results = bench_hf(root, _csv(args.methods), _csv(args.dataset), args.limit, args.max_tokens, settings,
-                       args.depth, json_path=args.json)
+                       args.depth, json_path=args.json, gated_depth=args.echo_depth)
     print_table(results, ["method", "dataset", "mat", "draft_utilization", "tokens_per_s", "speedup_vs_ar",
                           "verified_per_accepted", "identical_to_ar"])
     return 0 if all(r["identical_to_ar"] for r in results) else 1
@@ -167,6 +167,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     bhf.add_argument("--limit", type=int, default=10, help="prompts per dataset")
     bhf.add_argument("--max-tokens", type=int, default=96)
     bhf.add_argument("--depth", type=int, default=6, help="max draft depth")
+    bhf.add_argument("--echo-depth", type=int, default=None,
+                     help="depth ceiling of the gated methods (echo, dense, fixed); default --depth. Gates stop "
+                     "drafting early, so a deeper ceiling costs only where the head is confident")
+    bhf.add_argument("--surplus-width", choices=["all", "truncated"], default="all",
+                     help="echo.surplus_width: who Priority 2 may widen (docs/configuration.md)")
     bhf.add_argument("--k-max", type=int, default=16, help="verification budget (draft tokens per step)")
     bhf.add_argument("--top-k", type=int, default=4)
     bhf.add_argument("--warmup-steps", type=int, default=32)

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from echo_vllm.errors import EchoUserError
 
 GateMode = Literal["sparse", "dense", "fixed"]
+SurplusWidth = Literal["all", "truncated"]
 
 
 class EchoConfigError(EchoUserError, ValueError):
@@ -37,6 +38,12 @@ class EchoSettings(BaseModel):
     calibration_file: str | None = Field(
         default=None,
         description="JSON calibration to load; if the file does not exist it is written after warm-up.",
+    )
+    surplus_width: SurplusWidth = Field(
+        default="all",
+        description="Who may be widened (Priority 2) once no request can deepen: 'all' = gate-truncated requests "
+        "and requests whose spine reached the depth ceiling; 'truncated' = only gate-truncated ones (the paper's "
+        "wording; leaves budget unused at low load when no gate closes).",
     )
     min_samples_per_class: int = Field(
         default=8, ge=1, description="A depth needs this many accepted and rejected samples to be calibrated."

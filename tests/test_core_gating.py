@@ -104,3 +104,27 @@ def test_depth_mismatch_is_an_error():
         gate_caps(torch.zeros(1, 3), make_cal([True, False], [0.1, None]))
     with pytest.raises(ValueError, match=r"\[B, D\]"):
         gate_caps(torch.zeros(3), None)
+
+
+def test_width_eligible_policies():
+    from echo_vllm.core import select_budget_reference, width_eligible
+
+    truncated = torch.tensor([True, False, False])
+    assert width_eligible(truncated, "truncated").tolist() == [True, False, False]
+    assert width_eligible(truncated, "all").tolist() == [True, True, True]
+    with pytest.raises(ValueError, match="surplus_width"):
+        width_eligible(truncated, "some")
+    # B = 1, every gate open, K_max beyond the spine: 'truncated' leaves the surplus unused, 'all' spends it on
+    # the best width nodes (the spine still comes first).
+    tree = grow_tree(SyntheticDrafter(1, 12, 3, seed=5), 1, 3, 3)
+    cap = torch.tensor([3], dtype=torch.int32)
+    open_gate = torch.tensor([False])
+    strict = select_budget_reference(tree.scores, tree.depth, tree.parent, tree.valid, tree.spine, cap,
+                                     width_eligible(open_gate, "truncated"), 6)
+    surplus = select_budget_reference(tree.scores, tree.depth, tree.parent, tree.valid, tree.spine, cap,
+                                      width_eligible(open_gate, "all"), 6)
+    assert int(strict.counts[0]) == 3 and strict.selected[0].eq(tree.spine[0]).all()
+    assert int(surplus.counts[0]) == 6 and surplus.selected[0][tree.spine[0]].all()
+    width_scores = tree.scores[0][~tree.spine[0]]
+    chosen = tree.scores[0][surplus.selected[0] & ~tree.spine[0]]
+    assert torch.equal(chosen.sort(descending=True).values, width_scores.sort(descending=True).values[:3])

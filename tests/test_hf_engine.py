@@ -86,6 +86,21 @@ def test_echo_identical_with_forced_gates(root, prompts, reference, tmp_path, de
     assert summary["budget_utilization"] <= 1.0 + 1e-9
 
 
+@pytest.mark.slow
+def test_echo_identical_with_paper_strict_width(root, prompts, reference, tmp_path):
+    """surplus_width='truncated' (width only for gate-truncated requests) is lossless too, and uses less budget."""
+    cal_path = forced_calibration(tmp_path / "cal.json", "sparse", 6, 0.3, {2})
+    used = {}
+    for surplus in ("truncated", "all"):
+        settings = EchoSettings(k_max=16, top_k=4, calibration_file=cal_path, surplus_width=surplus)
+        engine = HFEngine(root / "target", root / "eagle3", EngineOptions(method="echo", max_depth=6, echo=settings))
+        assert_identical(engine, prompts[:20], reference[:20], f"echo surplus_width={surplus}")
+        summary = engine.metrics.summary()
+        assert summary["truncation_rate"] < 1.0, "every step truncated: the surplus path never ran"
+        used[surplus] = summary["budget_utilization"]
+    assert used["all"] > used["truncated"], used
+
+
 def test_k_max_zero_is_plain_decoding(root, prompts, reference):
     engine = HFEngine(root / "target", root / "eagle3",
                       EngineOptions(method="echo", max_depth=4, echo=EchoSettings(k_max=0)))
@@ -149,7 +164,8 @@ def test_corrupt_calibration_file_is_clear_error(root, tmp_path):
 @pytest.mark.parametrize(
     ("raw", "field"),
     [({"k_max": -1}, "echo.k_max"), ({"top_k": 0}, "echo.top_k"), ({"delta": 1.5}, "echo.delta"),
-     ({"gate_mode": "always"}, "echo.gate_mode"), ({"kmax": 3}, "echo.kmax"), ({"k_max": True}, "echo.k_max")],
+     ({"gate_mode": "always"}, "echo.gate_mode"), ({"kmax": 3}, "echo.kmax"), ({"k_max": True}, "echo.k_max"),
+     ({"surplus_width": "some"}, "echo.surplus_width")],
 )
 def test_bad_config_values_name_the_field(raw, field):
     with pytest.raises(EchoConfigError, match=field.replace(".", r"\.")):

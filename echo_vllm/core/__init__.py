@@ -18,7 +18,7 @@ from .calibration import (
     calibrate,
     youden_threshold,
 )
-from .gating import depth_confidence, gate_caps
+from .gating import depth_confidence, gate_caps, width_eligible
 from .metrics import EchoMetrics
 from .tree import Drafter, DraftTree, SyntheticDrafter, depth_major_layout, grow_tree, topk_stable
 from .verify import VerifyResult, verify_greedy, verify_sampling
@@ -49,5 +49,6 @@ __all__ = [
     "topk_stable",
     "verify_greedy",
     "verify_sampling",
+    "width_eligible",
     "youden_threshold",
 ]

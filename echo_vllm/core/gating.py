@@ -56,3 +56,19 @@ def gate_caps(confidence: torch.Tensor, calibration: Calibration | None) -> tupl
     truncated = closed.any(dim=1)
     depth_cap = torch.where(truncated, first_closed, torch.full_like(first_closed, max_depth))
     return depth_cap.to(torch.int32), truncated
+
+
+def width_eligible(truncated: torch.Tensor, surplus_width: str = "all") -> torch.Tensor:
+    """[B] bool: the requests Priority 2 may widen (the `truncated` argument of `select_budget`).
+
+    Width is only reached once every request's spine is in (class 0 first), i.e. once no request can deepen.
+    A request then stopped either at a closed gate (truncated) or at the depth ceiling D with every gate open.
+    'truncated' widens only the former, the paper's wording, which assumes depth is unbounded; with a ceiling it
+    leaves the budget unused whenever no gate closes (at B = 1 most steps). 'all' also widens the latter, at
+    depths up to D: the same truncate-and-widen rule applied to a request truncated by the ceiling.
+    """
+    if surplus_width == "truncated":
+        return truncated
+    if surplus_width == "all":
+        return torch.ones_like(truncated, dtype=torch.bool)
+    raise ValueError(f"surplus_width must be 'all' or 'truncated'; got {surplus_width!r}")

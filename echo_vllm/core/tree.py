@@ -78,6 +78,9 @@ def topk_stable(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     size = values.shape[-1]
     if k > size:
         raise ValueError(f"top_k={k} exceeds the vocabulary size {size}")
+    if k == 1:  # argmax returns the first maximal index: the same tie rule, in one op instead of seven
+        index = values.argmax(dim=-1, keepdim=True)
+        return torch.gather(values, -1, index), index
     thr = torch.topk(values, k, dim=-1, sorted=True).values[..., -1:]
     index = torch.arange(size, device=values.device, dtype=torch.int32).expand_as(values)
     # Unique int32 keys: entries above thr first (in index order), then entries equal to thr, then the rest.

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from echo_vllm.config import EchoSettings
-from echo_vllm.hf.engine import METHODS, EngineInputError, EngineOptions, HFEngine
+from echo_vllm.hf.engine import GATED, METHODS, EngineInputError, EngineOptions, HFEngine
 
 
 def load_tokenizer(target_dir: Path):
@@ -39,7 +39,7 @@ def run_method(root: Path, method: str, settings: EchoSettings, max_depth: int, 
 
 def bench_hf(root: Path, methods: list[str], datasets: list[str], limit: int, max_new_tokens: int,
              settings: EchoSettings, max_depth: int, temperature: float = 0.0,
-             json_path: str | None = None) -> list[dict[str, Any]]:
+             json_path: str | None = None, gated_depth: int | None = None) -> list[dict[str, Any]]:
     from echo_vllm.datasets import load_prompts  # noqa: PLC0415
 
     unknown = [m for m in methods if m not in METHODS]
@@ -56,8 +56,10 @@ def bench_hf(root: Path, methods: list[str], datasets: list[str], limit: int, ma
         runs: dict[str, dict[str, Any]] = {}
         for method in ["ar", *[m for m in methods if m != "ar"]]:
             progress = tqdm(total=len(prompts), desc=f"{dataset}/{method}", leave=False) if tqdm else None
-            runs[method] = run_method(root, method, settings, max_depth, prompts, max_new_tokens, temperature,
+            depth = gated_depth if (gated_depth and method in GATED) else max_depth
+            runs[method] = run_method(root, method, settings, depth, prompts, max_new_tokens, temperature,
                                       progress)
+            runs[method]["max_depth"] = depth
             if progress is not None:
                 progress.close()
         ar = runs["ar"]
@@ -70,6 +72,7 @@ def bench_hf(root: Path, methods: list[str], datasets: list[str], limit: int, ma
                 "method": method,
                 "dataset": dataset,
                 "batch_size": 1,
+                "max_depth": run["max_depth"] if method != "ar" else None,
                 "mat": m.get("mat", 1.0),
                 "draft_utilization": m.get("utilization"),
                 "mean_depth_drafted": m.get("mean_depth"),
@@ -82,6 +85,7 @@ def bench_hf(root: Path, methods: list[str], datasets: list[str], limit: int, ma
             })
     if json_path:
         Path(json_path).write_text(json.dumps({"settings": settings.model_dump(), "max_depth": max_depth,
+                                               "gated_depth": gated_depth or max_depth,
                                                "max_new_tokens": max_new_tokens, "results": results}, indent=2) + "\n")
     return results
 

@@ -16,7 +16,7 @@ from echo_vllm.models.eagle3 import Eagle3Head
 
 class Eagle3TreeDrafter:
     def __init__(self, head: Eagle3Head):
-        self.head = head
+        self.head = head.prepare_for_inference()
         self.vocab_size = head.config.vocab_size
         self.reset()
 
@@ -46,7 +46,7 @@ class Eagle3TreeDrafter:
         values = v if self.ctx_v is None else torch.cat([self.ctx_v, v], dim=2)
         causal = torch.ones(steps, steps, dtype=torch.bool).tril()
         mask = torch.cat([torch.ones(steps, past, dtype=torch.bool), causal], dim=1).expand(batch, steps, past + steps)
-        logits, prenorm = head.finish(q, keys, values, mask, residual)
+        logits, prenorm = head.finish(q, keys, values, mask, residual, last_logits_only=True)
         self.ctx_k, self.ctx_v = keys, values
         self.root_logits = logits[:, -1].float()
         self.root_prenorm = prenorm[:, -1]

@@ -32,6 +32,7 @@ from echo_vllm.core import (
     grow_tree,
     verify_greedy,
     verify_sampling,
+    width_eligible,
 )
 from echo_vllm.errors import EchoUserError
 from echo_vllm.hf.drafter import Eagle3TreeDrafter
@@ -111,7 +112,8 @@ class HFEngine:
         confidence = depth_confidence(tree)
         calibration = self.calibration if self.method in GATED else None
         depth_cap, truncated = gate_caps(confidence, calibration)
-        sel = select_budget(tree.scores, tree.depth, tree.parent, tree.valid, tree.spine, depth_cap, truncated,
+        widen = width_eligible(truncated, self.options.echo.surplus_width)
+        sel = select_budget(tree.scores, tree.depth, tree.parent, tree.valid, tree.spine, depth_cap, widen,
                             self.k_max)
         return sel, depth_cap, truncated
 
@@ -204,12 +206,15 @@ class HFEngine:
         for _ in range(self.max_depth):
             mask = mask | mask[parent_row.clamp(min=0)] & (parent_row >= 0).unsqueeze(1)
         logits, aux = self.target.forward(tokens, positions.unsqueeze(0), mask.unsqueeze(0))
-        rows = torch.zeros(1, sel.order.shape[1] + 1, logits.shape[-1])
-        rows[0, : count + 1] = logits[0]
+        # Rows past count + 1 are padding the verifiers never read; only the real rows are reduced.
+        width = sel.order.shape[1] + 1
         if temperature <= 0:
-            result = verify_greedy(tree.tokens, sel, rows.argmax(-1), max_depth=self.max_depth)
+            argmax = torch.zeros(1, width, dtype=torch.long)
+            argmax[0, : count + 1] = logits[0].argmax(-1)
+            result = verify_greedy(tree.tokens, sel, argmax, max_depth=self.max_depth)
         else:
-            probs = torch.softmax(rows / temperature, dim=-1)
+            probs = torch.zeros(1, width, logits.shape[-1])
+            probs[0, : count + 1] = torch.softmax(logits[0] / temperature, dim=-1)
             result = verify_sampling(tree.tokens, sel, probs, generator=generator, max_depth=self.max_depth)
         accepted = int(result.accepted_len[0])
         accepted_local = result.accepted_local[0, :accepted].long()

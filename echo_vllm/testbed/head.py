@@ -44,10 +44,11 @@ def unrolled_forward(head: Eagle3Head, tokens: torch.Tensor, aux: torch.Tensor, 
     return outputs
 
 
-def head_loss(head, target, tokens, layer_ids, num_steps):
-    with torch.no_grad():
-        target_logits, aux = aux_hidden_states(target, tokens, layer_ids)
-    outputs = unrolled_forward(head, tokens, aux, num_steps)
+def head_loss(head, target, tokens, layer_ids, num_steps, bf16_autocast: bool = False):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
+        with torch.no_grad():
+            target_logits, aux = aux_hidden_states(target, tokens, layer_ids)
+        outputs = unrolled_forward(head, tokens, aux, num_steps)
     num_bases = tokens.shape[1] - num_steps
     losses, agree = [], []
     for step, logits in enumerate(outputs, start=1):
@@ -60,7 +61,8 @@ def head_loss(head, target, tokens, layer_ids, num_steps):
 
 
 def train_head(head: Eagle3Head, target: LlamaForCausalLM, train_ids: torch.Tensor, *, steps: int, seq_len: int,
-               batch_size: int, lr: float, num_unrolled: int, seed: int, log=print) -> dict:
+               batch_size: int, lr: float, num_unrolled: int, seed: int, log=print,
+               bf16_autocast: bool = False) -> dict:
     gen = torch.Generator().manual_seed(seed + 1)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -72,7 +74,7 @@ def train_head(head: Eagle3Head, target: LlamaForCausalLM, train_ids: torch.Tens
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup=max(1, steps // 20))
         tokens = next(data)[:, :-1]
-        loss, agree = head_loss(head, target, tokens, layer_ids, num_unrolled)
+        loss, agree = head_loss(head, target, tokens, layer_ids, num_unrolled, bf16_autocast)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

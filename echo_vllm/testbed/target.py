@@ -75,7 +75,7 @@ def heldout_loss(model: LlamaForCausalLM, ids: torch.Tensor, seq_len: int, max_w
 
 
 def train_target(model: LlamaForCausalLM, train_ids: torch.Tensor, *, steps: int, seq_len: int, batch_size: int,
-                 lr: float, seed: int, log=print) -> dict:
+                 lr: float, seed: int, log=print, bf16_autocast: bool = False) -> dict:
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     model.train()
@@ -86,8 +86,9 @@ def train_target(model: LlamaForCausalLM, train_ids: torch.Tensor, *, steps: int
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup=max(1, steps // 20))
         batch = next(data)
-        logits = model(input_ids=batch[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
+            logits = model(input_ids=batch[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

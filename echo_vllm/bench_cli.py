@@ -125,6 +125,11 @@ def bench_hf_command(args: argparse.Namespace) -> int:
                        args.depth, json_path=args.json, gated_depth=args.echo_depth)
     print_table(results, ["method", "dataset", "mat", "draft_utilization", "tokens_per_s", "speedup_vs_ar",
                           "verified_per_accepted", "identical_to_ar"])
+    print("\nms per decoding step, by phase (speedup vs ar = MAT x ar ms/step / ms/step):")
+    phases = [{"method": r["method"], "dataset": r["dataset"], **r["ms_per_step"],
+               "total": sum(r["ms_per_step"].values())} for r in results if r["ms_per_step"]]
+    print_table(phases, ["method", "dataset", "draft", "select", "verify_forward", "accept", "update_context",
+                         "bookkeeping", "total"])
     return 0 if all(r["identical_to_ar"] for r in results) else 1
 
 

@@ -89,14 +89,14 @@ def test_echo_identical_with_forced_gates(root, prompts, reference, tmp_path, de
 @pytest.mark.slow
 def test_echo_identical_with_paper_strict_width(root, prompts, reference, tmp_path):
     """surplus_width='truncated' (width only for gate-truncated requests) is lossless too, and uses less budget."""
-    cal_path = forced_calibration(tmp_path / "cal.json", "sparse", 6, 0.3, {2})
+    cal_path = forced_calibration(tmp_path / "cal.json", "sparse", 6, 0.05, {2})
     used = {}
     for surplus in ("truncated", "all"):
         settings = EchoSettings(k_max=16, top_k=4, calibration_file=cal_path, surplus_width=surplus)
         engine = HFEngine(root / "target", root / "eagle3", EngineOptions(method="echo", max_depth=6, echo=settings))
         assert_identical(engine, prompts[:20], reference[:20], f"echo surplus_width={surplus}")
         summary = engine.metrics.summary()
-        assert summary["truncation_rate"] < 1.0, "every step truncated: the surplus path never ran"
+        assert 0.0 < summary["truncation_rate"] < 1.0, "the gate must close on some steps and stay open on others"
         used[surplus] = summary["budget_utilization"]
     assert used["all"] > used["truncated"], used
 

@@ -34,6 +34,7 @@ def run_method(root: Path, method: str, settings: EchoSettings, max_depth: int, 
             progress.update(1)
     summary = engine.metrics.summary() if method != "ar" else {}
     return {"outputs": outputs, "seconds": seconds, "tokens": tokens, "metrics": summary,
+            "ms_per_step": engine.phases.ms_per_step(),
             "calibration": engine.calibration.to_json_dict() if engine.calibration else None}
 
 
@@ -82,6 +83,8 @@ def bench_hf(root: Path, methods: list[str], datasets: list[str], limit: int, ma
                 "budget_used": m.get("budget_utilization"),
                 "identical_to_ar": run["outputs"] == ar["outputs"],
                 "sweet_spots": (run["calibration"] or {}).get("gated"),
+                # Where a decoding step's time goes (ar: one target forward per token).
+                "ms_per_step": run["ms_per_step"],
             })
     if json_path:
         Path(json_path).write_text(json.dumps({"settings": settings.model_dump(), "max_depth": max_depth,

@@ -55,6 +55,24 @@ class GenerationResult:
     steps: int
 
 
+class PhaseClock:
+    """Wall seconds per phase of the decoding steps (B = 1 on the host: perf_counter needs no device sync)."""
+
+    PHASES = ("draft", "select", "verify_forward", "accept", "update_context", "bookkeeping")
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self.steps = 0
+
+    def add(self, phase: str, since: float) -> float:
+        now = time.perf_counter()
+        self.seconds[phase] += now - since
+        return now
+
+    def ms_per_step(self) -> dict[str, float]:
+        return {k: 1e3 * v / self.steps for k, v in self.seconds.items()} if self.steps else {}
+
+
 @dataclass
 class EngineOptions:
     method: str = "echo"
@@ -89,6 +107,7 @@ class HFEngine:
         self.k_max = self.max_depth if self.method == "chain" else int(settings.k_max)
         self.eos_id = self.target.model.config.eos_token_id
         self.metrics = EchoMetrics(self.max_depth)
+        self.phases = PhaseClock()
         self.calibration: Calibration | None = None
         self.recorder: CalibrationRecorder | None = None
         if self.method in GATED:
@@ -176,11 +195,15 @@ class HFEngine:
         return int(torch.multinomial(probs, 1, generator=generator))
 
     def _ar_step(self, pending: int, temperature: float, generator: torch.Generator) -> list[int]:
+        clock = time.perf_counter()
         pos = self.target.cache_len
         logits, aux = self.target.forward(torch.tensor([[pending]]), torch.tensor([[pos]]), None)
         token = self._pick(logits[:, -1], temperature, generator)
+        clock = self.phases.add("verify_forward", clock)
         if self.method != "ar":  # k_max == 0: keep the head's context in step for when speculation resumes
             self.drafter.extend_context(aux, torch.tensor([[token]]), torch.tensor([[pos]]))
+            self.phases.add("update_context", clock)
+        self.phases.steps += 1
         return [token]
 
     def _stop_drafting(self, depth: int, scores: torch.Tensor) -> bool:
@@ -193,8 +216,11 @@ class HFEngine:
         return bool(gated[depth - 1]) and bool(scores[0].max().exp() < tau[depth - 1])
 
     def _spec_step(self, pending: int, temperature: float, generator: torch.Generator) -> list[int]:
+        clock = time.perf_counter()
         tree = grow_tree(self.drafter, 1, self.max_depth, self.top_k, stop_after=self._stop_drafting)
+        clock = self.phases.add("draft", clock)
         sel, depth_cap, truncated = self._budget(tree)
+        clock = self.phases.add("select", clock)
         count = int(sel.counts[0])
         order = sel.order[0, :count].long()
         base = self.target.cache_len
@@ -206,6 +232,7 @@ class HFEngine:
         for _ in range(self.max_depth):
             mask = mask | mask[parent_row.clamp(min=0)] & (parent_row >= 0).unsqueeze(1)
         logits, aux = self.target.forward(tokens, positions.unsqueeze(0), mask.unsqueeze(0))
+        clock = self.phases.add("verify_forward", clock)
         # Rows past count + 1 are padding the verifiers never read; only the real rows are reduced.
         width = sel.order.shape[1] + 1
         if temperature <= 0:
@@ -219,15 +246,19 @@ class HFEngine:
         accepted = int(result.accepted_len[0])
         accepted_local = result.accepted_local[0, :accepted].long()
         emitted = result.accepted_tokens[0, : accepted + 1].tolist()
+        clock = self.phases.add("accept", clock)
         # Keep the target cache along the root + accepted path only.
         keep_rows = torch.cat([torch.zeros(1, dtype=torch.long), accepted_local + 1])
-        self.target.keep(torch.cat([torch.arange(base), base + keep_rows]))
+        self.target.keep_path(base, keep_rows)
         new_aux = aux[:, keep_rows]
         self.drafter.extend_context(new_aux, torch.tensor([emitted]),
                                     (base + torch.arange(accepted + 1)).unsqueeze(0))
+        clock = self.phases.add("update_context", clock)
         self.metrics.update(sel, result, self.k_max, depth_cap=depth_cap, truncated=truncated)
         if self.recorder is not None and self.calibration is None:
             verified_depth = sel.order_depth.amax(dim=1)
             self.recorder.record(depth_confidence(tree), result.accepted_depth_mask, verified_depth)
             self._maybe_calibrate()
+        self.phases.add("bookkeeping", clock)
+        self.phases.steps += 1
         return emitted

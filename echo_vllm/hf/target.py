@@ -74,8 +74,16 @@ class HFTarget:
             aux = torch.cat([self._captured[k] for k in self.aux_layer_ids], dim=-1)
         return out.logits.float(), aux
 
-    def keep(self, keep_positions: torch.Tensor) -> None:
-        """Keep only these cache positions (1-D, ascending): the prefix plus the accepted path."""
+    def keep_path(self, base: int, rows: torch.Tensor) -> None:
+        """Keep the cache prefix [0, base) plus the new rows base + rows (1-D, ascending, rows[0] = 0).
+
+        Moves the accepted rows down in place and narrows to a view: O(accepted) per step, where re-indexing the
+        whole cache would copy all of it (the context) once more per step.
+        """
+        n = rows.numel()
+        src = base + rows
         for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(2, keep_positions)
-            layer.values = layer.values.index_select(2, keep_positions)
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                t[:, :, base : base + n] = t[:, :, src]  # the right side is gathered into a copy first
+                setattr(layer, name, t[:, :, : base + n])

@@ -39,19 +39,33 @@ def _testbed_build(args: argparse.Namespace) -> int:
     return 0
 
 
+PREBUILT_MARKER = ".prebuilt"
+
+
 def _testbed_ensure(args: argparse.Namespace) -> int:
     """Install the prebuilt testbed shipped in tests/assets into the testbed dir, unless one is there."""
     out = testbed_dir(args.out)
-    if (out / "testbed.json").is_file():
-        print(f"testbed present at {out}")
-        return 0
-    if not (SHIPPED_TESTBED / "testbed.json").is_file():
+    shipped = SHIPPED_TESTBED / "testbed.json"
+    installed = out / "testbed.json"
+    if installed.is_file():
+        same = shipped.is_file() and installed.read_bytes() == shipped.read_bytes()
+        # A copy of an older prebuilt testbed (marked at install) is replaced; a testbed the user built is kept.
+        if same or not (args.force or (out / PREBUILT_MARKER).is_file()) or not shipped.is_file():
+            note = "" if same or not shipped.is_file() else (
+                " (it differs from the prebuilt one shipped with this checkout; `echo-vllm testbed ensure --force` "
+                "replaces it)")
+            print(f"testbed present at {out}{note}")
+            return 0
+        print(f"testbed at {out} is an older prebuilt copy: replacing it")
+    if not shipped.is_file():
         raise UserError(f"no prebuilt testbed at {SHIPPED_TESTBED}; run `echo-vllm testbed build --out {out}`")
     out.mkdir(parents=True, exist_ok=True)
+    (out / PREBUILT_MARKER).write_text("installed by `echo-vllm testbed ensure` from the prebuilt testbed\n")
     for name in ("target", "eagle3", "testbed.json"):
         src = SHIPPED_TESTBED / name
         if src.is_dir():
-            shutil.copytree(src, out / name, dirs_exist_ok=True)
+            shutil.rmtree(out / name, ignore_errors=True)
+            shutil.copytree(src, out / name)
         else:
             shutil.copy2(src, out / name)
     print(f"testbed installed at {out} (prebuilt; `echo-vllm testbed build --out {out}` rebuilds it)")
@@ -101,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     build.set_defaults(func=_testbed_build)
     ensure = tsub.add_parser("ensure", help="install the prebuilt testbed shipped with the repo if none is there")
     ensure.add_argument("--out")
+    ensure.add_argument("--force", action="store_true", help="replace a testbed that differs from the shipped one")
     ensure.set_defaults(func=_testbed_ensure)
     path = tsub.add_parser("path", help="print the testbed directory")
     path.add_argument("--out")

@@ -109,3 +109,23 @@ def test_bench_hf_unknown_method_is_one_line_error():
     proc = run_cli("bench", "hf", "--testbed", str(shipped_testbed()), "--methods", "ar,medusa", "--limit", "1")
     assert proc.returncode == 2
     assert "medusa" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_testbed_ensure_installs_replaces_stale_prebuilt_and_keeps_user_builds(tmp_path):
+    out = tmp_path / "tb"
+    shipped = (Path(__file__).parent / "assets" / "testbed" / "testbed.json").read_bytes()
+    proc = run_cli("testbed", "ensure", "--out", str(out))
+    assert proc.returncode == 0 and "installed" in proc.stdout, proc.stderr
+    assert (out / "testbed.json").read_bytes() == shipped and (out / ".prebuilt").is_file()
+    assert "present" in run_cli("testbed", "ensure", "--out", str(out)).stdout
+    # An older prebuilt copy (marked at install) is replaced by the shipped one.
+    (out / "testbed.json").write_text('{"old": true}')
+    proc = run_cli("testbed", "ensure", "--out", str(out))
+    assert "replacing" in proc.stdout and (out / "testbed.json").read_bytes() == shipped
+    # A testbed the user built (no marker) is kept, with a note on how to replace it; --force replaces it.
+    (out / ".prebuilt").unlink()
+    (out / "testbed.json").write_text('{"mine": true}')
+    proc = run_cli("testbed", "ensure", "--out", str(out))
+    assert "differs" in proc.stdout and json.loads((out / "testbed.json").read_text()) == {"mine": True}
+    proc = run_cli("testbed", "ensure", "--out", str(out), "--force")
+    assert proc.returncode == 0 and (out / "testbed.json").read_bytes() == shipped

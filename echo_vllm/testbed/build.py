@@ -144,6 +144,7 @@ def build_testbed(out: Path, preset: Preset, seed: int = 0, stdlib: str | None =
             elif dest.exists():
                 dest.unlink()
             (staging / name).rename(dest)
+        (out / ".prebuilt").unlink(missing_ok=True)  # a build of one's own is never replaced by `testbed ensure`
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log(f"testbed[{preset.name}] written to {out} in {manifest['build_seconds']:.0f}s")

@@ -21,21 +21,34 @@ def encode_prompts(tokenizer, prompts: list[str], max_prompt_tokens: int) -> lis
     return [enc.ids[-max_prompt_tokens:] for enc in tokenizer.encode_batch(prompts)]
 
 
-def run_method(root: Path, method: str, settings: EchoSettings, max_depth: int, prompts: list[list[int]],
-               max_new_tokens: int, temperature: float, progress=None) -> dict[str, Any]:
-    engine = HFEngine(root / "target", root / "eagle3", EngineOptions(method=method, max_depth=max_depth, echo=settings))
-    outputs, seconds, tokens = [], 0.0, 0
+def run_methods_interleaved(root: Path, methods: list[str], settings: EchoSettings, depths: dict[str, int],
+                            prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                            progress=None) -> dict[str, dict[str, Any]]:
+    """Every method on every prompt, prompt by prompt (ar, m1, m2, ... on prompt 1, then prompt 2, ...).
+
+    On a shared machine the load drifts; interleaving gives every method the same mix of quiet and busy
+    moments, so the ratios of one run are fair even when its absolute numbers move.
+    """
+    engines = {m: HFEngine(root / "target", root / "eagle3" if m != "ar" else None,
+                           EngineOptions(method=m, max_depth=depths[m], echo=settings)) for m in methods}
+    runs = {m: {"outputs": [], "seconds": 0.0, "tokens": 0} for m in methods}
     for ids in prompts:
-        result = engine.generate(ids, max_new_tokens, temperature=temperature)
-        outputs.append(result.token_ids)
-        seconds += result.seconds
-        tokens += len(result.token_ids)
+        for method, engine in engines.items():
+            result = engine.generate(ids, max_new_tokens, temperature=temperature)
+            run = runs[method]
+            run["outputs"].append(result.token_ids)
+            run["seconds"] += result.seconds
+            run["tokens"] += len(result.token_ids)
         if progress is not None:
             progress.update(1)
-    summary = engine.metrics.summary() if method != "ar" else {}
-    return {"outputs": outputs, "seconds": seconds, "tokens": tokens, "metrics": summary,
+    for method, engine in engines.items():
+        runs[method].update({
+            "metrics": engine.metrics.summary() if method != "ar" else {},
             "ms_per_step": engine.phases.ms_per_step(),
-            "calibration": engine.calibration.to_json_dict() if engine.calibration else None}
+            "calibration": engine.calibration.to_json_dict() if engine.calibration else None,
+            "max_depth": depths[method],
+        })
+    return runs
 
 
 def bench_hf(root: Path, methods: list[str], datasets: list[str], limit: int, max_new_tokens: int,
@@ -54,15 +67,12 @@ def bench_hf(root: Path, methods: list[str], datasets: list[str], limit: int, ma
     results = []
     for dataset in datasets:
         prompts = encode_prompts(tokenizer, load_prompts(dataset, limit), max_prompt_tokens=384)
-        runs: dict[str, dict[str, Any]] = {}
-        for method in ["ar", *[m for m in methods if m != "ar"]]:
-            progress = tqdm(total=len(prompts), desc=f"{dataset}/{method}", leave=False) if tqdm else None
-            depth = gated_depth if (gated_depth and method in GATED) else max_depth
-            runs[method] = run_method(root, method, settings, depth, prompts, max_new_tokens, temperature,
-                                      progress)
-            runs[method]["max_depth"] = depth
-            if progress is not None:
-                progress.close()
+        order = ["ar", *[m for m in methods if m != "ar"]]
+        depths = {m: gated_depth if (gated_depth and m in GATED) else max_depth for m in order}
+        progress = tqdm(total=len(prompts), desc=f"{dataset} ({', '.join(order)})", leave=False) if tqdm else None
+        runs = run_methods_interleaved(root, order, settings, depths, prompts, max_new_tokens, temperature, progress)
+        if progress is not None:
+            progress.close()
         ar = runs["ar"]
         ar_tps = ar["tokens"] / ar["seconds"]
         for method in methods:

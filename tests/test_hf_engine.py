@@ -213,3 +213,16 @@ def test_sampling_first_spec_token_matches_target(root, prompts, tmp_path, metho
         first = engine.step(pending, temperature, torch.Generator().manual_seed(1000 + i))[0]
         counts[first] += 1
     assert chi2_pvalue(counts, target_p) > 1e-3
+
+
+def test_engines_sharing_weights_stay_identical(root, prompts, reference):
+    """The benchmark's engines share one copy of the weights (and run prompt by prompt): still lossless."""
+    settings = EchoSettings(k_max=12, top_k=3, warmup_steps=4, min_samples_per_class=1)
+    echo = HFEngine(root / "target", root / "eagle3", EngineOptions(method="echo", max_depth=4, echo=settings))
+    eagle2 = HFEngine(root / "target", root / "eagle3", EngineOptions(method="eagle2", max_depth=4, echo=settings),
+                      share_models_with=echo)
+    ar = HFEngine(root / "target", None, EngineOptions(method="ar"), share_models_with=echo)
+    assert eagle2.target is echo.target and ar.target is echo.target and eagle2.drafter.head is echo.drafter.head
+    for i in range(6):
+        for engine in (echo, ar, eagle2):
+            assert engine.generate(prompts[i], MAX_NEW).token_ids == reference[i]

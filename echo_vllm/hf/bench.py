@@ -29,8 +29,13 @@ def run_methods_interleaved(root: Path, methods: list[str], settings: EchoSettin
     On a shared machine the load drifts; interleaving gives every method the same mix of quiet and busy
     moments, so the ratios of one run are fair even when its absolute numbers move.
     """
-    engines = {m: HFEngine(root / "target", root / "eagle3" if m != "ar" else None,
-                           EngineOptions(method=m, max_depth=depths[m], echo=settings)) for m in methods}
+    built: dict[str, HFEngine] = {}
+    first_spec = None
+    for m in sorted(methods, key=lambda name: name == "ar"):  # a speculative engine first: ar shares its weights
+        built[m] = HFEngine(root / "target", root / "eagle3" if m != "ar" else None,
+                            EngineOptions(method=m, max_depth=depths[m], echo=settings), share_models_with=first_spec)
+        first_spec = first_spec or (built[m] if m != "ar" else None)
+    engines = {m: built[m] for m in methods}
     runs = {m: {"outputs": [], "seconds": 0.0, "tokens": 0} for m in methods}
     for ids in prompts:
         for method, engine in engines.items():

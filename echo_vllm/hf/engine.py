@@ -88,7 +88,11 @@ class EngineOptions:
 
 class HFEngine:
     def __init__(self, target_dir: str | Path, head_dir: str | Path | None, options: EngineOptions,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, share_models_with: HFEngine | None = None):
+        """`share_models_with`: reuse that engine's target and head weights (the benchmark runs several methods
+        prompt by prompt; one copy of the weights keeps them warm in the CPU caches for all). Engines that share
+        must not generate concurrently: the target's KV cache is shared too, and every prompt starts by resetting
+        it."""
         options.validate()
         self.options = options
         self.method = options.method
@@ -97,9 +101,17 @@ class HFEngine:
             if head_dir is None:
                 raise EngineInputError(f"method {self.method!r} needs an EAGLE-3 head directory")
             aux_ids = read_head_config(head_dir).aux_layer_ids
-        self.target = HFTarget(target_dir, aux_ids, dtype=dtype)
+        shared = share_models_with
+        if shared is not None and (self.method == "ar" or shared.target.aux_layer_ids == aux_ids):
+            # ar ignores the aux states: the shared target's capture hooks cost it a few microseconds a forward.
+            self.target = shared.target
+        else:
+            self.target = HFTarget(target_dir, aux_ids, dtype=dtype)
         if self.method != "ar":
-            head = Eagle3Head.load(head_dir, self.target.embedding.detach().to(torch.float32)).to(dtype)
+            if shared is not None and shared.method != "ar" and shared.target is self.target:
+                head = shared.drafter.head
+            else:
+                head = Eagle3Head.load(head_dir, self.target.embedding.detach().to(torch.float32)).to(dtype)
             self.drafter = Eagle3TreeDrafter(head)
         settings = options.echo
         self.top_k = 1 if self.method == "chain" else settings.top_k

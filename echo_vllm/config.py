@@ -45,6 +45,12 @@ class EchoSettings(BaseModel):
         "and requests whose spine reached the depth ceiling; 'truncated' = only gate-truncated ones (the paper's "
         "wording; leaves budget unused at low load when no gate closes).",
     )
+    surplus_tail: bool = Field(
+        default=True,
+        description="Priority 3: budget left after depth and width goes back to truncated requests' drafted tails "
+        "(their spine past the closed gate), best path scores first. Matters where drafting runs past the gate "
+        "anyway (the vLLM plugin); false cuts at every closed gate, the paper's literal rule.",
+    )
     min_samples_per_class: int = Field(
         default=8, ge=1, description="A depth needs this many accepted and rejected samples to be calibrated."
     )

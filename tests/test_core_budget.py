@@ -261,3 +261,34 @@ def test_huge_k_max_selects_every_eligible_node():
     args["k_max"] = 10**30
     sel = select_budget_reference(**args)
     assert sel.counts.tolist() == [2, 2]  # spine only: nothing truncated
+
+
+@SETTINGS
+@given(grown_inputs())
+def test_surplus_tails_brute_force(inputs):
+    """Priority 3: leftover budget goes to truncated requests' spines past their cap, best path scores first."""
+    from echo_vllm.core.budget import add_surplus_tails
+
+    tree, depth_cap, truncated, k_max = inputs
+    base = run(tree, depth_cap, truncated, k_max)
+    sel = add_surplus_tails(base, tree.scores, tree.depth, tree.parent, tree.valid, tree.spine, depth_cap,
+                            truncated, k_max)
+    batch, num = tree.scores.shape
+    leftover = k_max - int(base.counts.sum())
+    tails = sorted(
+        (-float(tree.scores[b, n]), int(tree.depth[b, n]), b * num + n, (b, n))
+        for b in range(batch) for n in range(num)
+        if bool(tree.valid[b, n]) and bool(tree.spine[b, n]) and bool(truncated[b])
+        and int(tree.depth[b, n]) > int(depth_cap[b]) and not math.isnan(float(tree.scores[b, n]))
+    )
+    expected = {(int(b), int(n)) for b, n in zip(*torch.nonzero(base.selected, as_tuple=True), strict=True)}
+    expected |= {t[3] for t in tails[: max(leftover, 0)]}
+    got = {(int(b), int(n)) for b, n in zip(*torch.nonzero(sel.selected, as_tuple=True), strict=True)}
+    assert got == expected
+    assert int(sel.counts.sum()) <= k_max
+    if leftover <= 0:
+        assert torch.equal(sel.selected, base.selected)
+    parent = tree.parent.long()
+    parent_sel = sel.selected.gather(1, parent.clamp(min=0))
+    assert bool((~sel.selected | (parent < 0) | parent_sel).all()), "tails must stay ancestor-closed"
+    check_compaction(sel, tree.parent, tree.depth)

@@ -70,3 +70,35 @@ def test_echo_greedy_identical_and_budget_bounded(prompts, calibration_file, tmp
         assert steps[0]["calibrated"], "an existing calibration file was not loaded"
     else:
         assert not steps[0]["calibrated"] and steps[-1]["calibrated"]
+
+
+@pytest.mark.parametrize("surplus_tail", [False, True])
+def test_surplus_tail_spends_unused_budget_on_truncated_chains(prompts, tmp_path, surplus_tail):
+    """A gate that closes at depth 1 on most steps, one request at a time, K_max far above D: with
+    surplus_tail the budget never binds, so every truncated chain is verified whole (ECHO = EAGLE-3 at low
+    load); without it the gate cuts. Greedy output is identical to no-spec either way."""
+    from echo_vllm.core import Calibration
+
+    cal = tmp_path / "cal.json"
+    Calibration(mode="sparse", max_depth=DEPTH, delta=0.6, auc=[0.9] * DEPTH, tau=[0.9, None, None, None],
+                gated=[True, False, False, False], num_pos=[10] * DEPTH, num_neg=[10] * DEPTH,
+                min_samples_per_class=1).save(cal)
+    head, target = shipped_testbed() / "eagle3", shipped_testbed() / "target"
+    subset = prompts[:8]
+    base = {"model": str(target), "prompts": subset, "max_tokens": MAX_TOKENS, "max_num_seqs": 1}
+    baseline = run_in_subprocess({**base, "speculative_config": None})
+    step_log = tmp_path / "steps.jsonl"
+    echo = run_in_subprocess(
+        {**base, "speculative_config": {"method": "echo", "model": str(head), "num_speculative_tokens": DEPTH,
+                                        "echo": {"k_max": 16, "calibration_file": str(cal),
+                                                 "surplus_tail": surplus_tail}}},
+        extra_env={"ECHO_VLLM_STEP_LOG": str(step_log)},
+    )
+    assert echo["token_ids"] == baseline["token_ids"]
+    counts = [c for s in _read_steps(step_log) for c in s["counts"]]
+    assert counts and all(s["calibrated"] for s in _read_steps(step_log))
+    short = [c for c in counts if 0 < c < DEPTH]
+    if surplus_tail:
+        assert not short, f"chains were cut although the budget never bound: {short[:5]}"
+    else:
+        assert len(short) > len(counts) // 4, "the depth-1 gate should cut most chains"

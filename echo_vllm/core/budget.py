@@ -153,3 +153,42 @@ def compact_selection(selected: torch.Tensor, depth: torch.Tensor, parent: torch
         parent_local=parent_local.to(torch.int32),
         order_depth=order_depth.to(torch.int32),
     )
+
+
+def add_surplus_tails(
+    selection: BudgetSelection,
+    scores: torch.Tensor,
+    depth: torch.Tensor,
+    parent: torch.Tensor,
+    valid: torch.Tensor,
+    spine: torch.Tensor,
+    depth_cap: torch.Tensor,
+    truncated: torch.Tensor,
+    k_max: int,
+) -> BudgetSelection:
+    """Priority 3: budget left after depth and width goes back to truncated requests' drafted tails.
+
+    A closed gate says "probably rejected", which matters only when someone else can use the tokens. Where
+    drafting already ran past the gate (vLLM's EAGLE loop always drafts all D tokens) and the batch leaves budget
+    unused, verifying the tail costs nothing extra below the knee and can only add accepted tokens. Tails (valid
+    spine nodes deeper than depth_cap of a truncated request) are ranked by the same order as everything else
+    (path score descending, depth ascending, flat index ascending) and the first K_max - sum(counts) are added.
+
+    No host sync. Ancestor closure: leftover budget > 0 means every class-0/1 node was selected (see
+    select_budget_reference), so each request's spine is in up to its cap, and along a tail the parent scores no
+    lower and is shallower, so it ranks first.
+    """
+    batch, num_nodes = scores.shape
+    device = scores.device
+    leftover = (k_max - selection.counts.sum(dtype=torch.int64)).clamp(min=0)
+    tail = (valid & spine & truncated.unsqueeze(1) & (depth > depth_cap.unsqueeze(1)) & ~torch.isnan(scores)
+            & ~selection.selected)
+    flat_scores = torch.where(tail, scores + 0.0, torch.full_like(scores, float("-inf"))).reshape(-1)
+    flat_depth = depth.reshape(-1)
+    perm = torch.sort(flat_depth, stable=True).indices
+    perm = perm[torch.sort(flat_scores[perm], descending=True, stable=True).indices]
+    perm = perm[torch.sort((~tail).reshape(-1)[perm].to(torch.int8), stable=True).indices]  # tails first
+    rank = torch.empty_like(perm)
+    rank[perm] = torch.arange(perm.numel(), device=device)
+    take = tail & (rank.reshape(batch, num_nodes) < leftover)
+    return compact_selection(selection.selected | take, depth, parent)

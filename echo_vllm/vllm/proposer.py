@@ -6,7 +6,8 @@ Per step:
   2. The chain is a DraftTree with top_k = 1 (spine only): path score = cumulative draft log-prob.
   3. depth_confidence -> gate_caps (no gates during warm-up; calibrated gates after) -> the batch-wide K_max
      selection `echo_vllm.ops.select_budget` over all running requests. With top_k = 1 every request's selection
-     is a prefix of its chain (ancestor closure), of length K_i, with sum_i K_i <= K_max.
+     is a prefix of its chain (ancestor closure), of length K_i, with sum_i K_i <= K_max. Budget left over goes
+     back to the tails of truncated requests (`add_surplus_tails`, Priority 3; `surplus_tail`).
   4. The drafts are returned as a ragged `list[list[int]]` (request i: its first K_i tokens). vLLM passes a list
      through `_get_draft_token_ids_cpu` to `Scheduler.update_draft_token_ids`; the next step schedules K_i draft
      tokens for request i and the chain rejection sampler verifies them (per-request `num_draft_tokens`).
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 
+from echo_vllm.core.budget import add_surplus_tails
 from echo_vllm.core.calibration import Calibration, CalibrationRecorder, calibrate
 from echo_vllm.core.gating import depth_confidence, gate_caps
 from echo_vllm.core.tree import DraftTree
@@ -146,6 +148,13 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
         selection = select_budget(
             tree.scores, tree.depth, tree.parent, tree.valid, tree.spine, depth_cap, truncated, self.k_max
         )
+        if self.echo_settings.surplus_tail:
+            # The loop above drafted all D tokens regardless of the gates: below the budget, verifying a
+            # truncated tail is free and can only add accepted tokens; above it, the tails are what is cut.
+            selection = add_surplus_tails(
+                selection, tree.scores, tree.depth, tree.parent, tree.valid, tree.spine, depth_cap, truncated,
+                self.k_max,
+            )
         self.last_tree, self.last_selection = tree, selection
         # Truncation counters stay on the device (no sync).
         cap_index = torch.where(truncated, depth_cap.long() - 1, torch.full_like(depth_cap, depth, dtype=torch.long))

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from echo_vllm.core.budget import add_surplus_tails
+from echo_vllm.core.budget import add_surplus_tails, compact_selection
 from echo_vllm.core.calibration import Calibration, CalibrationRecorder, calibrate
 from echo_vllm.core.gating import depth_confidence, gate_caps
 from echo_vllm.core.tree import DraftTree
@@ -145,16 +145,22 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
         confidence = depth_confidence(tree)
         calibration = self.calibration if (self.calibration is not None and depth == self.max_depth) else None
         depth_cap, truncated = gate_caps(confidence, calibration)
-        selection = select_budget(
-            tree.scores, tree.depth, tree.parent, tree.valid, tree.spine, depth_cap, truncated, self.k_max
-        )
-        if self.echo_settings.surplus_tail:
-            # The loop above drafted all D tokens regardless of the gates: below the budget, verifying a
-            # truncated tail is free and can only add accepted tokens; above it, the tails are what is cut.
-            selection = add_surplus_tails(
-                selection, tree.scores, tree.depth, tree.parent, tree.valid, tree.spine, depth_cap, truncated,
-                self.k_max,
+        if self.echo_settings.surplus_tail and batch * depth <= self.k_max:
+            # The budget cannot bind, and the loop above drafted all D tokens regardless of the gates: every
+            # valid draft is verified (Priority 3 would add every tail back), so skip the selection work.
+            # Chains: valid is a prefix per request (a -inf score stays -inf along the cumulative sum).
+            selection = compact_selection(tree.valid, tree.depth, tree.parent)
+        else:
+            selection = select_budget(
+                tree.scores, tree.depth, tree.parent, tree.valid, tree.spine, depth_cap, truncated, self.k_max
             )
+            if self.echo_settings.surplus_tail:
+                # Below the budget a truncated tail is free to verify and can only add accepted tokens; above
+                # it, the tails are what is cut.
+                selection = add_surplus_tails(
+                    selection, tree.scores, tree.depth, tree.parent, tree.valid, tree.spine, depth_cap, truncated,
+                    self.k_max,
+                )
         self.last_tree, self.last_selection = tree, selection
         # Truncation counters stay on the device (no sync).
         cap_index = torch.where(truncated, depth_cap.long() - 1, torch.full_like(depth_cap, depth, dtype=torch.long))

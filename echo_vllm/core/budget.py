@@ -96,6 +96,20 @@ def candidate_class(
     return torch.where(depth_ok, torch.full_like(cls, CLASS_DEPTH), cls)
 
 
+def total_order_rank(cls: torch.Tensor, scores: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """Rank (0 = first) of every flat node in the order (class asc, score desc, depth asc, flat index asc).
+
+    Lexicographic order by successive stable sorts, least significant key first; the flat index is the initial
+    order, so it breaks every remaining tie. All inputs are 1-D over the flattened batch.
+    """
+    perm = torch.sort(depth, stable=True).indices
+    perm = perm[torch.sort(scores[perm], descending=True, stable=True).indices]
+    perm = perm[torch.sort(cls[perm], stable=True).indices]
+    rank = torch.empty_like(perm)
+    rank[perm] = torch.arange(perm.numel(), device=perm.device)
+    return rank
+
+
 def select_budget_reference(
     scores: torch.Tensor,
     depth: torch.Tensor,
@@ -108,21 +122,14 @@ def select_budget_reference(
 ) -> BudgetSelection:
     check_budget_inputs(scores, depth, parent, valid, spine, depth_cap, truncated, k_max)
     batch, num_nodes = scores.shape
-    device = scores.device
     cls = candidate_class(scores, depth, valid, spine, depth_cap, truncated).reshape(-1)
     # +0.0 folds -0.0 into 0.0 so both compare equal, as they do in the C++/CUDA comparators.
     flat_scores = (scores + 0.0).reshape(-1)
     flat_depth = depth.reshape(-1)
 
-    # Lexicographic order by successive stable sorts, least significant key first; the flat index is the
-    # initial order, so it breaks every remaining tie.
-    perm = torch.sort(flat_depth, stable=True).indices
-    perm = perm[torch.sort(flat_scores[perm], descending=True, stable=True).indices]
-    perm = perm[torch.sort(cls[perm], stable=True).indices]
-    rank = torch.empty_like(perm)
-    rank[perm] = torch.arange(perm.numel(), device=device)
+    rank = total_order_rank(cls, flat_scores, flat_depth)
     # min(): a k_max beyond int64 (any Python int is allowed) selects everything instead of overflowing.
-    selected = ((cls != CLASS_EXCLUDED) & (rank < min(k_max, perm.numel()))).reshape(batch, num_nodes)
+    selected = ((cls != CLASS_EXCLUDED) & (rank < min(k_max, rank.numel()))).reshape(batch, num_nodes)
     return compact_selection(selected, depth, parent)
 
 
@@ -179,16 +186,10 @@ def add_surplus_tails(
     lower and is shallower, so it ranks first.
     """
     batch, num_nodes = scores.shape
-    device = scores.device
     leftover = (k_max - selection.counts.sum(dtype=torch.int64)).clamp(min=0)
     tail = (valid & spine & truncated.unsqueeze(1) & (depth > depth_cap.unsqueeze(1)) & ~torch.isnan(scores)
             & ~selection.selected)
-    flat_scores = torch.where(tail, scores + 0.0, torch.full_like(scores, float("-inf"))).reshape(-1)
-    flat_depth = depth.reshape(-1)
-    perm = torch.sort(flat_depth, stable=True).indices
-    perm = perm[torch.sort(flat_scores[perm], descending=True, stable=True).indices]
-    perm = perm[torch.sort((~tail).reshape(-1)[perm].to(torch.int8), stable=True).indices]  # tails first
-    rank = torch.empty_like(perm)
-    rank[perm] = torch.arange(perm.numel(), device=device)
+    # Tails are class 0 here, everything else class 1; +0.0 folds -0.0 as in the selection.
+    rank = total_order_rank((~tail).reshape(-1).to(torch.int32), (scores + 0.0).reshape(-1), depth.reshape(-1))
     take = tail & (rank.reshape(batch, num_nodes) < leftover)
     return compact_selection(selection.selected | take, depth, parent)

@@ -109,7 +109,7 @@ def _echo_options(args: argparse.Namespace) -> dict[str, Any]:
     from echo_vllm.config import parse_echo_settings  # noqa: PLC0415
 
     raw = {"k_max": getattr(args, "k_max", 16), "top_k": getattr(args, "top_k", 1),
-           "warmup_steps": getattr(args, "warmup_steps", 16)}
+           "warmup_steps": getattr(args, "warmup_steps", 16), "surplus_tail": getattr(args, "surplus_tail", True)}
     parse_echo_settings(raw)
     return raw
 
@@ -154,6 +154,8 @@ def _add_vllm_args(parser: argparse.ArgumentParser, *, batch_sizes: str, limit: 
     parser.add_argument("--k-max", type=int, default=16, help="echo: batch-wide draft tokens verified per step")
     parser.add_argument("--top-k", type=int, default=1, help="echo: top_k (vLLM 0.32 verifies chains: 1)")
     parser.add_argument("--warmup-steps", type=int, default=16, help="echo: verification steps before gates apply")
+    parser.add_argument("--no-surplus-tail", dest="surplus_tail", action="store_false",
+                        help="echo: surplus_tail=false, cut at every closed gate even when the budget is idle")
     parser.add_argument("--json", help="write results here")
 
 

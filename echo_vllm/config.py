@@ -54,6 +54,10 @@ class EchoSettings(BaseModel):
     min_samples_per_class: int = Field(
         default=8, ge=1, description="A depth needs this many accepted and rejected samples to be calibrated."
     )
+    fault_limit: int = Field(
+        default=8, ge=1, description="vLLM: after this many consecutive steps with a fault inside ECHO (each runs "
+        "without drafts), ECHO turns itself off for the process; the engine keeps serving.",
+    )
 
     @field_validator("k_max", mode="before")
     @classmethod

@@ -26,3 +26,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+# ECHO contains its own faults in a server (echo_vllm/vllm/faults.py); in tests a fault must fail the test that
+# meets it, so the engines started by tests re-raise (the fault-injection tests set "contain" themselves).
+os.environ.setdefault("ECHO_VLLM_FAULTS", "raise")

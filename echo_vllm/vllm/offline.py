@@ -110,7 +110,11 @@ def run_in_subprocess(
     if proc.returncode != 0 or not lines:
         tail = "\n".join((proc.stderr or "").splitlines()[-40:])
         raise RuntimeError(f"vLLM job failed (rc={proc.returncode}):\n{tail}")
-    return json.loads(lines[-1][len(marker):])
+    result = json.loads(lines[-1][len(marker):])
+    # ECHO's own log lines (faults, calibration, stats): tests of containment read them.
+    logged = (proc.stdout + "\n" + (proc.stderr or "")).splitlines()  # vLLM's logger writes to stdout
+    result["echo_log"] = [line for line in logged if "ECHO" in line and not line.startswith(marker)]
+    return result
 
 
 def main() -> int:

@@ -38,6 +38,7 @@ from echo_vllm.core.gating import depth_confidence, gate_caps
 from echo_vllm.core.tree import DraftTree
 from echo_vllm.ops import select_budget
 from echo_vllm.vllm import spec as echo_spec
+from echo_vllm.vllm.faults import guard_from_env
 
 try:  # vLLM imports: this module is only imported inside a vLLM worker (EchoDrafterPatch)
     from vllm.v1.spec_decode.eagle import EagleProposer
@@ -76,6 +77,8 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
                 self.echo_settings.top_k,
             )
         self._runner = runner
+        self.faults = guard_from_env(self.echo_settings.fault_limit)
+        self._stage = "draft"  # the stage running now, named in fault reports
         self._echo_logps: list[torch.Tensor] = []
         self.recorder = CalibrationRecorder(self.max_depth)
         self.calibration: Calibration | None = None
@@ -136,19 +139,46 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
         return draft_ids, draft_probs
 
     def propose(self, num_speculative_tokens, *args, **kwargs):
-        self._echo_logps = []
-        drafts = super().propose(num_speculative_tokens, *args, **kwargs)
-        if not isinstance(drafts, torch.Tensor) or drafts.dim() != 2:
-            return drafts
+        """vLLM's EAGLE-3 chain, then ECHO's gates and budget; any fault in here means no drafts this step."""
+        if self.faults.disabled:
+            self._prev = None
+            return self._no_drafts()
+        self._stage = "draft"
+        try:
+            self.faults.maybe_inject("draft")
+            self._echo_logps = []
+            drafts = super().propose(num_speculative_tokens, *args, **kwargs)
+            if not isinstance(drafts, torch.Tensor) or drafts.dim() != 2:
+                return drafts
+            ragged = self._select(drafts)
+        except Exception as err:  # noqa: BLE001 - contained: the step is plain decoding (see faults.py)
+            self._prev = None
+            self.faults.record_fault(self._stage, err)
+            if self.faults.should_raise:
+                raise
+            return self._no_drafts()
+        self.faults.record_success()
+        return ragged
+
+    def _no_drafts(self) -> list[list[int]]:
+        """Empty draft lists for every request of the batch: the scheduler then schedules plain decoding."""
+        return [[] for _ in range(self._runner.input_batch.num_reqs)] if self._runner is not None else []
+
+    def _select(self, drafts: torch.Tensor) -> list[list[int]]:
+        """Gates and the batch-wide budget over the drafted chains -> each request's first K_i tokens."""
         batch, depth = drafts.shape
         if depth == 0 or batch == 0:
             self._prev = None
             return [[] for _ in range(batch)]
         logps = torch.stack(self._echo_logps[-depth:], dim=1)[:batch]  # [B, depth]
         tree = self._chain_tree(drafts, logps)
+        self._stage = "gates"
+        self.faults.maybe_inject("gates")
         confidence = depth_confidence(tree)
         calibration = self.calibration if (self.calibration is not None and depth == self.max_depth) else None
         depth_cap, truncated = gate_caps(confidence, calibration)
+        self._stage = "select"
+        self.faults.maybe_inject("select")
         if self.echo_settings.surplus_tail and batch * depth <= self.k_max:
             # The budget cannot bind, and the loop above drafted all D tokens regardless of the gates: every
             # valid draft is verified (Priority 3 would add every tail back), so skip the selection work.
@@ -201,6 +231,19 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
     # ---------------------------------------------------------------------------------------------------------
 
     def observe_verification(self, req_ids: list[str], sampled_token_ids: Any, spec_decode_metadata: Any) -> None:
+        """Last step's verification result -> counters and (during warm-up) calibration samples; faults contained."""
+        if self.faults.disabled:
+            return
+        try:
+            self.faults.maybe_inject("feedback")
+            self._observe(req_ids, sampled_token_ids, spec_decode_metadata)
+        except Exception as err:  # noqa: BLE001 - contained: losing one step's feedback costs no correctness
+            self._prev = None
+            self.faults.record_fault("feedback", err)
+            if self.faults.should_raise:
+                raise
+
+    def _observe(self, req_ids: list[str], sampled_token_ids: Any, spec_decode_metadata: Any) -> None:
         prev, self._prev = self._prev, None
         if prev is None or spec_decode_metadata is None:
             return
@@ -290,6 +333,7 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
             "truncations_per_depth": [int(x) for x in self._trunc.cpu()],
             "calibration": self.calibration_source,
             "sweet_spots": self.calibration.sweet_spots if self.calibration is not None else [],
+            **self.faults.summary(),
         }
 
     def format_stats(self) -> str:
@@ -298,5 +342,5 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
             "ECHO stats: steps={steps} budget_used={budget_used:.3f} (mean sum {mean_step_sum:.2f} / k_max {k_max}, "
             "max sum {max_step_sum}, bound steps {budget_bound_steps}) MAT={mat:.3f} utilization={utilization:.3f} "
             "accepted/verified={accepted_per_verified_draft:.3f} truncations_per_depth={truncations_per_depth} "
-            "calibration={calibration} sweet_spots={sweet_spots}"
+            "calibration={calibration} sweet_spots={sweet_spots} faults={faults} disabled={disabled}"
         ).format(**s)

@@ -218,3 +218,36 @@ def test_bad_calibrate_arguments():
         calibrate(CalibrationRecorder(2), "sparse", 0.6, 0)
     with pytest.raises(CalibrationError, match="'tau'"):
         Calibration("sparse", 2, 0.6, [None, None], [None, None], [True, False], [0, 0], [0, 0])
+
+
+def _save_repeatedly(path: str, writer: int, rounds: int) -> None:
+    # Large files (long per-depth lists) make a half-written file likely to be seen if saving were not atomic.
+    depth = 4000
+    cal = Calibration("dense", depth, 0.6, [0.5 + writer / 100] * depth, [0.1 * writer] * depth, [True] * depth,
+                      [10] * depth, [10] * depth, 1)
+    for _ in range(rounds):
+        cal.save(path)
+
+
+def test_concurrent_saves_never_expose_a_partial_file(tmp_path):
+    """Replicas sharing a volume save the same missing file together: a reader must only ever see no file or
+    one whole, valid file, and every writer's result is a valid file (the last rename wins)."""
+    import multiprocessing as mp
+
+    path = tmp_path / "cal.json"
+    ctx = mp.get_context("fork")
+    writers = [ctx.Process(target=_save_repeatedly, args=(str(path), w, 40)) for w in range(3)]
+    for proc in writers:
+        proc.start()
+    loads = 0
+    while any(p.is_alive() for p in writers):
+        if path.exists():
+            cal = Calibration.load(path)  # raises CalibrationError on a partial file
+            assert cal.max_depth == 4000 and len(set(cal.auc)) == 1, "a mix of two writers' files"
+            loads += 1
+    for proc in writers:
+        proc.join()
+        assert proc.exitcode == 0
+    assert Calibration.load(path).max_depth == 4000
+    assert loads > 0, "the reader never saw the file: the test proved nothing"
+    assert not [p for p in tmp_path.iterdir() if p.name != "cal.json"], "temporary files were left behind"

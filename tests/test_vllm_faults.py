@@ -93,3 +93,34 @@ def test_persistent_faults_disable_echo_and_serving_goes_on(baseline):
     assert "after 3 consecutive faulty steps" in disabled[0]
     # Every drafted step faulted before its drafts reached the scheduler: nothing was ever verified.
     assert out["spec"]["num_drafts"] == 0
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_two_engines_starting_together_share_one_missing_calibration_file(baseline, tmp_path):
+    """Two replicas start at once with the same missing calibration_file: both calibrate, either may save (each
+    through its own temp file + rename), and the file left behind is valid; a third start loads it and skips
+    warm-up. (tests/test_core_calibration.py races many writers against a reader.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from echo_vllm.core import Calibration
+
+    job, plain = baseline
+    root = shipped_testbed()
+    cal = tmp_path / "shared" / "calibration.json"
+    cal.parent.mkdir()
+    spec = {"method": "echo", "model": str(root / "eagle3"), "num_speculative_tokens": DEPTH,
+            "echo": {"k_max": 8, "warmup_steps": 4, "min_samples_per_class": 2, "calibration_file": str(cal)}}
+    echo_job = {**job, "speculative_config": spec}
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda _: run_in_subprocess(echo_job), range(2)))
+    for out in runs:
+        assert out["token_ids"] == plain["token_ids"]
+        assert any("ECHO calibration: calibrated after" in line for line in out["echo_log"]), out["echo_log"][-5:]
+    # Whoever finished warm-up first saved; the other saved too or found the file already there.
+    assert any(f"saved to {cal}" in line for out in runs for line in out["echo_log"])
+    assert Calibration.load(cal, expected_max_depth=DEPTH, expected_mode="sparse")
+    assert sorted(p.name for p in cal.parent.iterdir()) == ["calibration.json"], "temporary files left behind"
+    third = run_in_subprocess(echo_job)
+    assert any(f"calibration=file {cal}" in line for line in third["echo_log"])
+    assert third["token_ids"] == plain["token_ids"]

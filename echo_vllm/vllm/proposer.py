@@ -284,8 +284,13 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
         if s.calibration_file and self.is_writer:
             path = Path(s.calibration_file).expanduser()
             if not path.exists():
-                self.calibration.save(path)
-                self.calibration_source += f", saved to {path}"
+                try:
+                    self.calibration.save(path)
+                    self.calibration_source += f", saved to {path}"
+                except OSError as err:  # e.g. a read-only volume: the gates still apply in this process
+                    self.calibration_source += f", NOT saved to {path} ({err.strerror or err})"
+                    logger.warning("ECHO calibration: cannot write %s (%s); set calibration_file to a writable "
+                                   "path to skip warm-up on the next start", path, err)
         logger.info(
             "ECHO calibration: %s; sweet spots=%s tau=%s auc=%s", self.calibration_source,
             self.calibration.sweet_spots, self.calibration.tau, self.calibration.auc,

@@ -67,12 +67,19 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     drafts = _counter(metrics, "vllm:spec_decode_num_drafts")
     draft_tokens = _counter(metrics, "vllm:spec_decode_num_draft_tokens")
     accepted = _counter(metrics, "vllm:spec_decode_num_accepted_tokens")
+    # Scheduler events that tests of preemption and prefix caching must see happen.
+    scheduler = {
+        "num_preemptions": _counter(metrics, "vllm:num_preemptions"),
+        "prefix_cache_queries": _counter(metrics, "vllm:prefix_cache_queries"),
+        "prefix_cache_hits": _counter(metrics, "vllm:prefix_cache_hits"),
+    }
     token_ids = [list(o.outputs[0].token_ids) for o in outputs]
     return {
         "token_ids": token_ids,
         "texts": [o.outputs[0].text for o in outputs],
         "num_generated": sum(len(t) for t in token_ids),
         "engine_seconds": engine_seconds,
+        "scheduler": scheduler,
         "generate_seconds": generate_seconds,
         "spec": {
             "num_drafts": drafts,

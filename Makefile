@@ -17,12 +17,12 @@ CSRC := $(wildcard csrc/*.cpp csrc/*.cu csrc/*.h csrc/*.py)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: help install demo test test-fast testbed testbed-rebuild bench bench-hf bench-vllm bench-ops lint doctor clean
+.PHONY: help install demo test test-fast testbed testbed-rebuild bench bench-hf bench-vllm bench-ops soak lint doctor clean
 
 help:
 	@echo "make demo    - install, put the testbed in place, run vLLM speculative decoding on it (CPU)"
 	@echo "make test    - the whole test suite (what CI runs)"
-	@echo "make install | testbed | testbed-rebuild | bench | lint | doctor | clean"
+	@echo "make install | testbed | testbed-rebuild | bench | soak | lint | doctor | clean"
 
 install: $(STAMP)
 
@@ -66,6 +66,11 @@ bench-hf: testbed
 bench-ops: install
 	@mkdir -p out
 	$(PY) -m echo_vllm.ops.bench --json out/bench_ops.json
+
+# ~8 min on 2 CPU cores: 5 min of traffic (4000 requests at most), then the no-spec replay (docs/soak.md).
+soak: testbed
+	@mkdir -p out
+	$(PY) -m echo_vllm.cli soak --requests 4000 --concurrency 32 --duration-s 300 --json out/soak.json
 
 lint: install
 	$(PY) -m ruff check echo_vllm tests csrc scripts setup.py

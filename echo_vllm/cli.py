@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     from echo_vllm import bench_cli  # noqa: PLC0415
 
     bench_cli.add_subcommands(sub)
+    from echo_vllm.soak import cli as soak_cli  # noqa: PLC0415
+
+    soak_cli.add_subcommand(sub)
     return parser
 
 

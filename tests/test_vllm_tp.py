@@ -69,6 +69,7 @@ def test_echo_tp2_matches_no_spec_and_ranks_agree(tmp_path):
     mismatches = [i for i, (a, b) in enumerate(zip(baseline["token_ids"], echo["token_ids"])) if a != b]
     assert not mismatches, f"prompts {mismatches} differ between ECHO and no-spec at TP={TP}"
     assert echo["spec"]["num_drafts"] > 0, "ECHO never drafted"
+    assert any(f"set {THREADS_BIND_ENV}=" in line for line in echo["echo_log"]), "the plugin did not bind the threads"
 
     paths = [tmp_path / f"steps-{rank}.jsonl" for rank in range(TP)]
     assert all(p.exists() for p in paths), f"missing per-rank step logs: {[p.name for p in paths if not p.exists()]}"

@@ -10,8 +10,10 @@ A job is a JSON object: {"model", "prompts": [str] | "prompt_token_ids": [[int]]
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -101,6 +103,24 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _run_child(stdin: str, env: dict[str, str], timeout: float, own_group: bool) -> subprocess.CompletedProcess:
+    """`python -m echo_vllm.vllm.offline`; a multiprocess engine runs in a process group of its own, killed whole
+    on timeout: killing only the child would leave the engine core and its workers on their bound CPUs."""
+    cmd = [sys.executable, "-m", "echo_vllm.vllm.offline"]
+    with subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env, start_new_session=own_group) as proc:
+        try:
+            stdout, stderr = proc.communicate(stdin, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            if own_group:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)  # the session leader's pid is the group id
+            proc.kill()
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 def run_in_subprocess(
     job: dict[str, Any], timeout: float = 900, extra_env: dict[str, str] | None = None
 ) -> dict[str, Any]:
@@ -113,14 +133,7 @@ def run_in_subprocess(
     tp, pp = int(extra.get("tensor_parallel_size", 1)), int(extra.get("pipeline_parallel_size", 1))
     env = cpu_runtime_env(os.environ, in_process=tp * pp == 1, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     env.update(extra_env or {})
-    proc = subprocess.run(
-        [sys.executable, "-m", "echo_vllm.vllm.offline"],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+    proc = _run_child(json.dumps(job), env, timeout, own_group=tp * pp > 1)
     marker = "ECHO_RESULT:"
     lines = [line for line in proc.stdout.splitlines() if line.startswith(marker)]
     if proc.returncode != 0 or not lines:

@@ -268,11 +268,11 @@ def test_huge_k_max_selects_every_eligible_node():
 def test_surplus_tails_brute_force(inputs):
     """Priority 3: leftover budget goes to truncated requests' spines past their cap, best path scores first."""
     from echo_vllm.core.budget import add_surplus_tails
+    from echo_vllm.core.gating import Gates
 
     tree, depth_cap, truncated, k_max = inputs
     base = run(tree, depth_cap, truncated, k_max)
-    sel = add_surplus_tails(base, tree.scores, tree.depth, tree.parent, tree.valid, tree.spine, depth_cap,
-                            truncated, k_max)
+    sel = add_surplus_tails(base, tree, Gates(depth_cap, truncated, truncated), k_max)
     batch, num = tree.scores.shape
     leftover = k_max - int(base.counts.sum())
     tails = sorted(
@@ -292,3 +292,53 @@ def test_surplus_tails_brute_force(inputs):
     parent_sel = sel.selected.gather(1, parent.clamp(min=0))
     assert bool((~sel.selected | (parent < 0) | parent_sel).all()), "tails must stay ancestor-closed"
     check_compaction(sel, tree.parent, tree.depth)
+
+
+@SETTINGS
+@given(grown_inputs())
+def test_verifier_inputs_match_a_walk_up_the_tree(inputs):
+    """verifier_inputs: row 0 is the root, rows 1..K_i the selected nodes in order; each row attends to itself
+    and exactly its ancestors (a per-node walk up `parent`), positions are depths, padding rows see only
+    themselves."""
+    from echo_vllm.core.budget import verifier_inputs
+
+    tree, depth_cap, truncated, k_max = inputs
+    sel = run(tree, depth_cap, truncated, k_max)
+    roots = torch.arange(tree.tokens.shape[0]) + 1000
+    got = verifier_inputs(tree, sel, roots)
+    batch, num = tree.scores.shape
+    assert got.mask.shape == (batch, num + 1, num + 1)
+    assert got.num_rows.tolist() == (sel.counts + 1).tolist()
+    for b in range(batch):
+        order = [int(n) for n in sel.order[b] if int(n) >= 0]
+        row_of = {n: i + 1 for i, n in enumerate(order)}
+        assert int(got.tokens[b, 0]) == 1000 + b and int(got.positions[b, 0]) == 0
+        expected = torch.eye(num + 1, dtype=torch.bool)
+        for row, node in enumerate(order, start=1):
+            assert int(got.tokens[b, row]) == int(tree.tokens[b, node])
+            assert int(got.positions[b, row]) == int(tree.depth[b, node])
+            parent = int(tree.parent[b, node])
+            assert int(got.parent_rows[b, row]) == (row_of[parent] if parent >= 0 else 0)
+            expected[row, 0] = True
+            while parent >= 0:
+                expected[row, row_of[parent]] = True  # ancestor closure: every ancestor is selected
+                parent = int(tree.parent[b, parent])
+        assert torch.equal(got.mask[b], expected), f"request {b}"
+
+
+def test_eagle2_rule_is_a_pure_path_score_rerank():
+    """select_eagle2: the K_max best-scoring valid nodes, whatever the spine says (no spine priority)."""
+    from echo_vllm.core.gating import Gates
+    from echo_vllm.ops import select_budget, select_eagle2
+
+    tree = grow_tree(SyntheticDrafter(2, 6, 3, seed=3), 2, 3, 3)
+    k_max = 5
+    sel = select_eagle2(tree, k_max)
+    flat = [(-float(tree.scores[b, n]), int(tree.depth[b, n]), b * 9 + n) for b in range(2) for n in range(9)]
+    best = {idx for *_, idx in sorted(flat)[:k_max]}
+    chosen = {int(b) * 9 + int(n) for b, n in zip(*torch.nonzero(sel.selected, as_tuple=True), strict=True)}
+    assert chosen == best
+    # ECHO's rule with every gate open (no width) takes only spine nodes instead.
+    echo = select_budget(tree, Gates.open(2, 3), k_max)
+    assert int(echo.selected[tree.spine].sum()) == int(echo.counts.sum()) == min(k_max, int(tree.spine.sum()))
+    assert not torch.equal(echo.selected, sel.selected), "the example must tell the two rules apart"

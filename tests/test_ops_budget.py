@@ -198,7 +198,7 @@ def test_wrapper_and_noncontiguous_inputs():
     # Transposed copies: same values, non-contiguous strides.
     strided = [a.t().contiguous().t() if isinstance(a, torch.Tensor) and a.dim() == 2 else a for a in args]
     assert not strided[0].is_contiguous()
-    assert_same(expected, ops.select_budget(*strided))
+    assert_same(expected, ops.select_budget_flat(*strided))
 
 
 def _empty_outs(scores):
@@ -217,7 +217,7 @@ def test_out_variant_overwrites_buffers():
     torch.ops.echo.select_budget_out(*args, *outs)
     assert_same(expected, outs)
     outs2 = _empty_outs(args[0])
-    result = ops.select_budget(*args, out=outs2)
+    result = ops.select_budget_flat(*args, out=outs2)
     assert all(r is o for r, o in zip(result, outs2, strict=True))
     assert_same(expected, result)
 
@@ -225,10 +225,10 @@ def test_out_variant_overwrites_buffers():
 def test_k_max_beyond_int64_through_the_wrapper():
     args = make_case(4, 7, 64, "forest", "mixed", 0.9, False, 0.5, "zero")[:-1]
     for k_max in (2**63 - 1, 2**63, 2**70):
-        assert_same(select_budget_reference(*args, k_max), ops.select_budget(*args, k_max))
+        assert_same(select_budget_reference(*args, k_max), ops.select_budget_flat(*args, k_max))
     for bad in (-1, True, 2.0):
         with pytest.raises(ValueError, match="k_max"):
-            ops.select_budget(*args, bad)
+            ops.select_budget_flat(*args, bad)
 
 
 def _good_args(batch=4, num_nodes=8):
@@ -314,7 +314,7 @@ def test_torch_compile_traces_the_op(dynamic):
     torch._dynamo.reset()
 
     def fn(scores, depth, parent, valid, spine, depth_cap, truncated):
-        sel = ops.select_budget(scores, depth, parent, valid, spine, depth_cap, truncated, 11)  # the wrapper
+        sel = ops.select_budget_flat(scores, depth, parent, valid, spine, depth_cap, truncated, 11)  # the wrapper
         outs = _empty_outs(scores)
         torch.ops.echo.select_budget_out(scores, depth, parent, valid, spine, depth_cap, truncated, 11, *outs)
         return sel.counts.sum() + outs[1].sum(), sel.order, outs[2]
@@ -334,8 +334,8 @@ def test_fallback_logs_once_and_matches(monkeypatch, caplog):
     monkeypatch.setattr(ops, "_fallback_logged", set())
     args = make_case(2, 7, 64, "depth_major", "ties", 0.9, True, 0.5, "random")
     with caplog.at_level(logging.WARNING, logger="echo_vllm"):
-        first = ops.select_budget(*args)
-        second = ops.select_budget(*args, out=_empty_outs(args[0]))
+        first = ops.select_budget_flat(*args)
+        second = ops.select_budget_flat(*args, out=_empty_outs(args[0]))
     assert_same(select_budget_reference(*args), first)
     assert_same(first, second)
     assert len([r for r in caplog.records if "fallback" in r.getMessage()]) == 1
@@ -419,11 +419,11 @@ def test_cuda_graph_capture_of_out_variant():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        ops.select_budget(*static, k_max, out=outs)
+        ops.select_budget_flat(*static, k_max, out=outs)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ops.select_budget(*static, k_max, out=outs)
+        ops.select_budget_flat(*static, k_max, out=outs)
     for case in (first, second):
         for buf, value in zip(static, case[:-1], strict=True):
             buf.copy_(value)

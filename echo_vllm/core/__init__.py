@@ -5,11 +5,13 @@ from .budget import (
     CLASS_EXCLUDED,
     CLASS_WIDTH,
     BudgetSelection,
+    VerifierInputs,
     add_surplus_tails,
     candidate_class,
     check_budget_inputs,
     compact_selection,
     select_budget_reference,
+    verifier_inputs,
 )
 from .calibration import (
     Calibration,
@@ -19,7 +21,7 @@ from .calibration import (
     calibrate,
     youden_threshold,
 )
-from .gating import depth_confidence, gate_caps, width_eligible
+from .gating import Gates, depth_confidence, gate_caps, width_eligible
 from .metrics import EchoMetrics
 from .tree import Drafter, DraftTree, SyntheticDrafter, depth_major_layout, grow_tree, topk_stable
 from .verify import VerifyResult, verify_greedy, verify_sampling
@@ -35,7 +37,9 @@ __all__ = [
     "DraftTree",
     "Drafter",
     "EchoMetrics",
+    "Gates",
     "SyntheticDrafter",
+    "VerifierInputs",
     "VerifyResult",
     "add_surplus_tails",
     "auc",
@@ -49,6 +53,7 @@ __all__ = [
     "grow_tree",
     "select_budget_reference",
     "topk_stable",
+    "verifier_inputs",
     "verify_greedy",
     "verify_sampling",
     "width_eligible",

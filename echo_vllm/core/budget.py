@@ -30,6 +30,9 @@ from typing import NamedTuple
 
 import torch
 
+from .gating import Gates
+from .tree import DraftTree
+
 CLASS_DEPTH = 0
 CLASS_WIDTH = 1
 CLASS_EXCLUDED = 2
@@ -162,17 +165,7 @@ def compact_selection(selected: torch.Tensor, depth: torch.Tensor, parent: torch
     )
 
 
-def add_surplus_tails(
-    selection: BudgetSelection,
-    scores: torch.Tensor,
-    depth: torch.Tensor,
-    parent: torch.Tensor,
-    valid: torch.Tensor,
-    spine: torch.Tensor,
-    depth_cap: torch.Tensor,
-    truncated: torch.Tensor,
-    k_max: int,
-) -> BudgetSelection:
+def add_surplus_tails(selection: BudgetSelection, tree: DraftTree, gates: Gates, k_max: int) -> BudgetSelection:
     """Priority 3: budget left after depth and width goes back to truncated requests' drafted tails.
 
     A closed gate says "probably rejected", which matters only when someone else can use the tokens. Where
@@ -185,11 +178,56 @@ def add_surplus_tails(
     select_budget_reference), so each request's spine is in up to its cap, and along a tail the parent scores no
     lower and is shallower, so it ranks first.
     """
+    scores, depth = tree.scores, tree.depth
     batch, num_nodes = scores.shape
     leftover = (k_max - selection.counts.sum(dtype=torch.int64)).clamp(min=0)
-    tail = (valid & spine & truncated.unsqueeze(1) & (depth > depth_cap.unsqueeze(1)) & ~torch.isnan(scores)
-            & ~selection.selected)
+    tail = (tree.valid & tree.spine & gates.truncated.unsqueeze(1) & (depth > gates.depth_cap.unsqueeze(1))
+            & ~torch.isnan(scores) & ~selection.selected)
     # Tails are class 0 here, everything else class 1; +0.0 folds -0.0 as in the selection.
     rank = total_order_rank((~tail).reshape(-1).to(torch.int32), (scores + 0.0).reshape(-1), depth.reshape(-1))
     take = tail & (rank.reshape(batch, num_nodes) < leftover)
-    return compact_selection(selection.selected | take, depth, parent)
+    return compact_selection(selection.selected | take, depth, tree.parent)
+
+
+class VerifierInputs(NamedTuple):
+    """What one target forward needs to verify every request's selected nodes at once (fixed shapes, row 0 =
+    the root, i.e. the request's last emitted token; rows 1..counts[b] = order[b]; the rest is padding).
+
+    tokens      [B, N + 1] int64  root token, then the selected nodes' draft tokens (0 for padding)
+    positions   [B, N + 1] int32  offset from the root's position: the node's depth (0 for the root and padding)
+    parent_rows [B, N + 1] int64  row of each row's parent (0 = the root for depth-1 nodes; -1 root and padding)
+    mask        [B, N + 1, N + 1] bool  row r may attend to row c iff c is r or an ancestor of r (tree attention;
+                                        every row also sees the whole KV cache before the root)
+    num_rows    [B] int32         counts + 1
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    parent_rows: torch.Tensor
+    mask: torch.Tensor
+    num_rows: torch.Tensor
+
+
+def verifier_inputs(tree: DraftTree, selection: BudgetSelection, root_tokens: torch.Tensor) -> VerifierInputs:
+    """The verifier's inputs for `selection` of `tree` (no host sync); `root_tokens` [B] are the last emitted
+    tokens. Rows follow `selection.order` (ascending node index, so parents come before children)."""
+    batch, num_nodes = selection.order.shape
+    device = selection.order.device
+    is_real = selection.order >= 0
+    safe_order = selection.order.clamp(min=0).long()
+    node_tokens = torch.where(is_real, torch.gather(tree.tokens.long(), 1, safe_order), 0)
+    tokens = torch.cat([root_tokens.long().reshape(batch, 1).to(device), node_tokens], dim=1)
+    positions = torch.cat([torch.zeros((batch, 1), dtype=torch.int32, device=device), selection.order_depth], dim=1)
+    node_parent = torch.where(is_real, selection.parent_local.long() + 1, -1)  # -1 + 1 = 0: the root
+    parent_rows = torch.cat([torch.full((batch, 1), -1, dtype=torch.int64, device=device), node_parent], dim=1)
+    rows = num_nodes + 1
+    # reach[b, r, c]: c is r or r's parent; repeated squaring of this relation (log2(N + 1) passes, shapes only,
+    # so no host sync) closes it over every ancestor.
+    reach = torch.eye(rows, dtype=torch.float32, device=device).expand(batch, rows, rows).clone()
+    has_parent = parent_rows >= 0
+    reach.scatter_add_(2, parent_rows.clamp(min=0).unsqueeze(2), has_parent.unsqueeze(2).float())
+    reach = (reach > 0).float()
+    for _ in range(max(1, (rows - 1).bit_length())):
+        reach = (torch.bmm(reach, reach) > 0).float()
+    mask = reach > 0
+    return VerifierInputs(tokens, positions, parent_rows, mask, selection.counts + 1)

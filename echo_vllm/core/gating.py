@@ -10,6 +10,8 @@ are no gates: depth_cap = D and nothing is truncated.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .calibration import Calibration
@@ -72,3 +74,29 @@ def width_eligible(truncated: torch.Tensor, surplus_width: str = "all") -> torch
     if surplus_width == "all":
         return torch.ones_like(truncated, dtype=torch.bool)
     raise ValueError(f"surplus_width must be 'all' or 'truncated'; got {surplus_width!r}")
+
+
+@dataclass(frozen=True)
+class Gates:
+    """One step's gate outcome per request: what the budget selection reads besides the tree.
+
+    depth_cap [B] int32: the deepest depth that may be verified (the first closed gate, else D);
+    truncated [B] bool: a calibrated gate closed (Priority 3 tails and the truncation counters read it);
+    widen [B] bool: Priority 2 may add non-spine nodes (`width_eligible`; the op's `truncated` input).
+    """
+
+    depth_cap: torch.Tensor
+    truncated: torch.Tensor
+    widen: torch.Tensor
+
+    @classmethod
+    def evaluate(cls, confidence: torch.Tensor, calibration: Calibration | None, surplus_width: str = "all") -> Gates:
+        """The calibrated gates on the depth confidences (`gate_caps`), and who may be widened."""
+        depth_cap, truncated = gate_caps(confidence, calibration)
+        return cls(depth_cap, truncated, width_eligible(truncated, surplus_width))
+
+    @classmethod
+    def open(cls, batch: int, max_depth: int, device: torch.device | str = "cpu") -> Gates:
+        """No gate anywhere and no width priority: every request may go to depth D."""
+        closed = torch.zeros((batch,), dtype=torch.bool, device=device)
+        return cls(torch.full((batch,), max_depth, dtype=torch.int32, device=device), closed, closed)

@@ -26,22 +26,45 @@ from echo_vllm.core import (
     CalibrationRecorder,
     DraftTree,
     EchoMetrics,
+    Gates,
     calibrate,
     depth_confidence,
-    gate_caps,
     grow_tree,
+    verifier_inputs,
     verify_greedy,
     verify_sampling,
-    width_eligible,
 )
 from echo_vllm.errors import EchoUserError
 from echo_vllm.hf.drafter import Eagle3TreeDrafter
 from echo_vllm.hf.target import HFTarget
 from echo_vllm.models.eagle3 import Eagle3Head, read_head_config
-from echo_vllm.ops import select_budget
+from echo_vllm.ops import select_budget, select_eagle2
 
-METHODS = ("ar", "chain", "eagle2", "dense", "fixed", "echo")
-GATED = {"dense": "dense", "fixed": "fixed", "echo": "sparse"}
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """What distinguishes one method; the engine reads these fields instead of comparing method names."""
+
+    name: str
+    drafts: bool  # uses the EAGLE-3 head (all but ar)
+    gate_mode: str | None = None  # calibrated gates of this mode (warm-up, then gates), else never any gate
+    chain: bool = False  # top_k 1 and K = max_depth: a fixed chain
+    rerank: bool = False  # EAGLE-2: every node competes on path score (select_eagle2), no spine priority
+
+
+METHOD_SPECS = {
+    spec.name: spec
+    for spec in (
+        MethodSpec("ar", drafts=False),
+        MethodSpec("chain", drafts=True, chain=True),
+        MethodSpec("eagle2", drafts=True, rerank=True),
+        MethodSpec("dense", drafts=True, gate_mode="dense"),
+        MethodSpec("fixed", drafts=True, gate_mode="fixed"),
+        MethodSpec("echo", drafts=True, gate_mode="sparse"),
+    )
+}
+METHODS = tuple(METHOD_SPECS)
+GATED = {name: spec.gate_mode for name, spec in METHOD_SPECS.items() if spec.gate_mode}
 
 
 class EngineInputError(EchoUserError, ValueError):
@@ -99,57 +122,49 @@ class HFEngine:
         options.validate()
         self.options = options
         self.method = options.method
+        self.spec = spec = METHOD_SPECS[options.method]
         aux_ids: tuple[int, ...] = ()
-        if self.method != "ar":
+        if spec.drafts:
             if head_dir is None:
                 raise EngineInputError(f"method {self.method!r} needs an EAGLE-3 head directory")
             aux_ids = read_head_config(head_dir).aux_layer_ids
         shared = share_models_with
-        if shared is not None and (self.method == "ar" or shared.target.aux_layer_ids == aux_ids):
+        if shared is not None and (not spec.drafts or shared.target.aux_layer_ids == aux_ids):
             # ar ignores the aux states: the shared target's capture hooks cost it a few microseconds a forward.
             self.target = shared.target
         else:
             self.target = HFTarget(target_dir, aux_ids, dtype=dtype)
-        if self.method != "ar":
-            if shared is not None and shared.method != "ar" and shared.target is self.target:
+        if spec.drafts:
+            if shared is not None and shared.spec.drafts and shared.target is self.target:
                 head = shared.drafter.head
             else:
                 head = Eagle3Head.load(head_dir, self.target.embedding.detach().to(torch.float32)).to(dtype)
             self.drafter = Eagle3TreeDrafter(head)
         settings = options.echo
-        self.top_k = 1 if self.method == "chain" else settings.top_k
+        self.top_k = 1 if spec.chain else settings.top_k
         self.max_depth = options.max_depth
-        self.k_max = self.max_depth if self.method == "chain" else int(settings.k_max)
+        self.k_max = self.max_depth if spec.chain else int(settings.k_max)
         self.eos_id = self.target.model.config.eos_token_id
         self.metrics = EchoMetrics(self.max_depth)
         self.phases = PhaseClock()
         self.calibration: Calibration | None = None
         self.recorder: CalibrationRecorder | None = None
-        if self.method in GATED:
+        if spec.gate_mode is not None:
             self.recorder = CalibrationRecorder(self.max_depth)
             path = settings.calibration_file
             if path and Path(path).is_file():
                 self.calibration = Calibration.load(path, expected_max_depth=self.max_depth,
-                                                    expected_mode=GATED[self.method])
+                                                    expected_mode=spec.gate_mode)
 
     # ---- one verification step -----------------------------------------------------------------------------
 
-    def _budget(self, tree: DraftTree) -> tuple[BudgetSelection, torch.Tensor, torch.Tensor]:
+    def _budget(self, tree: DraftTree) -> tuple[BudgetSelection, Gates]:
         batch = tree.tokens.shape[0]
-        if self.method == "eagle2":
-            # EAGLE-2: every node competes on path score for the K_max slots; no gates, no spine priority.
-            depth_cap = torch.full((batch,), self.max_depth, dtype=torch.int32)
-            truncated = torch.zeros(batch, dtype=torch.bool)
-            sel = select_budget(tree.scores, tree.depth, tree.parent, tree.valid, tree.valid, depth_cap, truncated,
-                                self.k_max)
-            return sel, depth_cap, truncated
-        confidence = depth_confidence(tree)
-        calibration = self.calibration if self.method in GATED else None
-        depth_cap, truncated = gate_caps(confidence, calibration)
-        widen = width_eligible(truncated, self.options.echo.surplus_width)
-        sel = select_budget(tree.scores, tree.depth, tree.parent, tree.valid, tree.spine, depth_cap, widen,
-                            self.k_max)
-        return sel, depth_cap, truncated
+        if self.spec.rerank:
+            return select_eagle2(tree, self.k_max), Gates.open(batch, self.max_depth)
+        # Gated methods before calibration, and chain, run with every gate open (calibration is None).
+        gates = Gates.evaluate(depth_confidence(tree), self.calibration, self.options.echo.surplus_width)
+        return select_budget(tree, gates, self.k_max), gates
 
     def _maybe_calibrate(self) -> None:
         settings = self.options.echo
@@ -157,7 +172,7 @@ class HFEngine:
             return
         if self.recorder.num_steps < settings.warmup_steps:
             return
-        self.calibration = calibrate(self.recorder, GATED[self.method], settings.delta,
+        self.calibration = calibrate(self.recorder, self.spec.gate_mode, settings.delta,
                                      settings.min_samples_per_class)
         if settings.calibration_file:
             self.calibration.save(settings.calibration_file)
@@ -189,7 +204,7 @@ class HFEngine:
         positions = torch.arange(prompt.shape[1]).unsqueeze(0)
         logits, aux = self.target.forward(prompt, positions, None)
         pending = self._pick(logits[:, -1], temperature, generator)
-        if self.method != "ar":
+        if self.spec.drafts:
             self.drafter.reset()
             # Head context: base t consumes (target hidden at t, token t + 1).
             next_tokens = torch.cat([prompt[:, 1:], torch.tensor([[pending]])], dim=1)
@@ -199,7 +214,7 @@ class HFEngine:
     @torch.inference_mode()
     def step(self, pending: int, temperature: float, generator: torch.Generator) -> list[int]:
         """One decoding step after `pending` (the last emitted token): the tokens it emits (>= 1)."""
-        if self.method == "ar" or self.k_max == 0:
+        if not self.spec.drafts or self.k_max == 0:
             return self._ar_step(pending, temperature, generator)
         return self._spec_step(pending, temperature, generator)
 
@@ -215,7 +230,7 @@ class HFEngine:
         logits, aux = self.target.forward(torch.tensor([[pending]]), torch.tensor([[pos]]), None)
         token = self._pick(logits[:, -1], temperature, generator)
         clock = self.phases.add("verify_forward", clock)
-        if self.method != "ar":  # k_max == 0: keep the head's context in step for when speculation resumes
+        if self.spec.drafts:  # k_max == 0: keep the head's context in step for when speculation resumes
             self.drafter.extend_context(aux, torch.tensor([[token]]), torch.tensor([[pos]]))
             self.phases.add("update_context", clock)
         self.phases.steps += 1
@@ -225,7 +240,7 @@ class HFEngine:
         """B = 1 early exit: nothing deeper than `depth` can be selected (budget reached, or the gate closed)."""
         if depth >= self.k_max:
             return True
-        if self.method not in GATED or self.calibration is None:
+        if self.calibration is None:
             return False
         gated, tau = self.calibration.gate_tensors("cpu")
         return bool(gated[depth - 1]) and bool(scores[0].max().exp() < tau[depth - 1])
@@ -234,18 +249,15 @@ class HFEngine:
         clock = time.perf_counter()
         tree = grow_tree(self.drafter, 1, self.max_depth, self.top_k, stop_after=self._stop_drafting)
         clock = self.phases.add("draft", clock)
-        sel, depth_cap, truncated = self._budget(tree)
+        sel, gates = self._budget(tree)
         clock = self.phases.add("select", clock)
         count = int(sel.counts[0])
-        order = sel.order[0, :count].long()
         base = self.target.cache_len
-        tokens = torch.cat([torch.tensor([pending]), tree.tokens[0, order]]).unsqueeze(0)
-        positions = (base + torch.cat([torch.zeros(1, dtype=torch.long), sel.order_depth[0, :count].long()]))
-        # Tree mask: row j attends to itself and its ancestors (parent_local chains), the root to itself.
-        parent_row = torch.cat([torch.tensor([-1]), sel.parent_local[0, :count].long() + 1])
-        mask = torch.eye(count + 1, dtype=torch.bool)
-        for _ in range(self.max_depth):
-            mask = mask | mask[parent_row.clamp(min=0)] & (parent_row >= 0).unsqueeze(1)
+        inputs = verifier_inputs(tree, sel, torch.tensor([pending]))
+        rows = count + 1  # B = 1: only the real rows go through the target
+        tokens = inputs.tokens[:, :rows]
+        positions = base + inputs.positions[0, :rows].long()
+        mask = inputs.mask[0, :rows, :rows]
         logits, aux = self.target.forward(tokens, positions.unsqueeze(0), mask.unsqueeze(0))
         clock = self.phases.add("verify_forward", clock)
         # Rows past count + 1 are padding the verifiers never read; only the real rows are reduced.
@@ -269,7 +281,7 @@ class HFEngine:
         self.drafter.extend_context(new_aux, torch.tensor([emitted]),
                                     (base + torch.arange(accepted + 1)).unsqueeze(0))
         clock = self.phases.add("update_context", clock)
-        self.metrics.update(sel, result, self.k_max, depth_cap=depth_cap, truncated=truncated)
+        self.metrics.update(sel, result, self.k_max, depth_cap=gates.depth_cap, truncated=gates.truncated)
         if self.recorder is not None and self.calibration is None:
             verified_depth = sel.order_depth.amax(dim=1)
             self.recorder.record(depth_confidence(tree), result.accepted_depth_mask, verified_depth)

@@ -1,7 +1,8 @@
 """Compiled ops (csrc/, `torch.ops.echo.*`) with a logged fallback to the torch reference.
 
-`select_budget(...)` is `echo_vllm.core.budget.select_budget_reference`, bit for bit, computed by the compiled
-`echo::select_budget` op when the extension `echo_vllm._C` is built for the inputs' device, and by the
+`select_budget(tree, gates, k_max)` (ECHO) and `select_eagle2(tree, k_max)` (EAGLE-2's rerank) are the
+tree-level API; both call `select_budget_flat(...)`, the op's flat schema, which is
+`echo_vllm.core.budget.select_budget_reference`, bit for bit, computed by the compiled `echo::select_budget` op when the extension `echo_vllm._C` is built for the inputs' device, and by the
 reference otherwise (logged once per device type on the "echo_vllm" logger). `active_implementation()` says
 which one runs, for `echo-vllm doctor`.
 """
@@ -14,8 +15,11 @@ from collections.abc import Sequence
 import torch
 
 from echo_vllm.core.budget import BudgetSelection, select_budget_reference
+from echo_vllm.core.gating import Gates
+from echo_vllm.core.tree import DraftTree
 
-__all__ = ["BudgetSelection", "active_implementation", "op_available", "select_budget"]
+__all__ = ["BudgetSelection", "active_implementation", "op_available", "select_budget", "select_budget_flat",
+           "select_eagle2"]
 
 _LOG = logging.getLogger("echo_vllm")
 
@@ -67,7 +71,24 @@ def _log_fallback(device: torch.device) -> None:
     _LOG.warning("echo::select_budget fallback active on %s: using the torch reference (%s)", device.type, why)
 
 
-def select_budget(
+def select_budget(tree: DraftTree, gates: Gates, k_max: int, *, out: Sequence[torch.Tensor] | None = None
+                  ) -> BudgetSelection:
+    """ECHO's batch-wide budget over `tree` under `gates`: depth for the spines (Priority 1), then width for the
+    requests `gates.widen` allows (Priority 2); the first K_max nodes of the whole batch in that order."""
+    return select_budget_flat(tree.scores, tree.depth, tree.parent, tree.valid, tree.spine, gates.depth_cap,
+                              gates.widen, k_max, out=out)
+
+
+def select_eagle2(tree: DraftTree, k_max: int) -> BudgetSelection:
+    """EAGLE-2's rule on the same op: every valid node competes on path score alone for the K_max slots (no
+    gates, no spine priority), i.e. every valid node is a class-0 candidate and every depth cap is D."""
+    batch, _ = tree.scores.shape
+    gates = Gates.open(batch, tree.max_depth, tree.scores.device)
+    return select_budget_flat(tree.scores, tree.depth, tree.parent, tree.valid, tree.valid, gates.depth_cap,
+                              gates.widen, k_max)
+
+
+def select_budget_flat(
     scores: torch.Tensor,
     depth: torch.Tensor,
     parent: torch.Tensor,
@@ -79,7 +100,7 @@ def select_budget(
     *,
     out: Sequence[torch.Tensor] | None = None,
 ) -> BudgetSelection:
-    """Elastic budget selection (see echo_vllm.core.budget). With `out=(selected, counts, order, parent_local,
+    """The op's flat schema (csrc/README.md; see echo_vllm.core.budget). With `out=(selected, counts, order, parent_local,
     order_depth)` (preallocated, contiguous, right shapes/dtypes) the results are written there, with no
     allocation on the compiled path, so the call can sit inside a CUDA graph."""
     if out is not None and len(out) != 5:

@@ -4,7 +4,7 @@ Per step:
   1. vLLM's own EAGLE-3 draft loop (`SpecDecodeBaseProposer.propose`) drafts a chain of D = max depth tokens per
      request; `_sample_draft_tokens` is overridden to also keep the log-softmax score of each drafted token.
   2. The chain is a DraftTree with top_k = 1 (spine only): path score = cumulative draft log-prob.
-  3. depth_confidence -> gate_caps (no gates during warm-up; calibrated gates after) -> the batch-wide K_max
+  3. depth_confidence -> Gates.evaluate (no gates during warm-up; calibrated gates after) -> the batch-wide K_max
      selection `echo_vllm.ops.select_budget` over all running requests. With top_k = 1 every request's selection
      is a prefix of its chain (ancestor closure), of length K_i, with sum_i K_i <= K_max. Budget left over goes
      back to the tails of truncated requests (`add_surplus_tails`, Priority 3; `surplus_tail`).
@@ -13,8 +13,7 @@ Per step:
      tokens for request i and the chain rejection sampler verifies them (per-request `num_draft_tokens`).
 Verification results come back through `observe_verification` (EchoVerificationFeedbackPatch): during warm-up
 they feed the CalibrationRecorder; after `warmup_steps` recorded steps the gates are calibrated (and saved to
-`calibration_file` if it did not exist). The tree state of the last step (DraftTree, selection) is kept in
-`self.last_tree` / `self.last_selection` so tree verification can be added later.
+`calibration_file` if it did not exist). What one step hands to the next is a `PendingVerification`.
 
 All decisions are functions of the batch's tensors (no randomness, no rank-local state): every TP rank drafts,
 gates and selects identically.
@@ -27,6 +26,7 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ import torch
 
 from echo_vllm.core.budget import add_surplus_tails, compact_selection
 from echo_vllm.core.calibration import Calibration, CalibrationRecorder, calibrate
-from echo_vllm.core.gating import depth_confidence, gate_caps
+from echo_vllm.core.gating import Gates, depth_confidence
 from echo_vllm.core.tree import DraftTree
 from echo_vllm.ops import select_budget
 from echo_vllm.vllm import spec as echo_spec
@@ -60,6 +60,18 @@ def _tp_rank() -> int:
         return int(get_tensor_model_parallel_rank())
     except Exception:  # noqa: BLE001 - not initialized (tests)
         return 0
+
+
+@dataclass(frozen=True)
+class PendingVerification:
+    """One step's hand-off to the next: where each request's drafts came from, for their verification result.
+
+    row_of_request: request id -> its row in this step's batch (the next step's batch order may differ);
+    confidence [B, D]: the depth confidences c_{i,d} the drafts were gated on (calibration samples).
+    """
+
+    row_of_request: dict[str, int]
+    confidence: torch.Tensor
 
 
 class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
@@ -98,10 +110,8 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
         d = self.max_depth
         self._depth = torch.arange(1, d + 1, dtype=torch.int32, device=device)
         self._parent = torch.arange(-1, d - 1, dtype=torch.int32, device=device)
-        # State of the last step (for verification feedback and future tree verification).
-        self.last_tree: DraftTree | None = None
-        self.last_selection = None
-        self._prev: tuple[dict[str, int], torch.Tensor] | None = None
+        # What this step's drafts were drafted from, read back when their verification result arrives.
+        self._pending: PendingVerification | None = None
         # Counters (host ints; device sums read at log time only).
         self.steps = 0
         self.max_step_sum = 0
@@ -141,7 +151,7 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
     def propose(self, num_speculative_tokens, *args, **kwargs):
         """vLLM's EAGLE-3 chain, then ECHO's gates and budget; any fault in here means no drafts this step."""
         if self.faults.disabled:
-            self._prev = None
+            self._pending = None
             return self._no_drafts()
         self._stage = "draft"
         try:
@@ -152,7 +162,7 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
                 return drafts
             ragged = self._select(drafts)
         except Exception as err:  # noqa: BLE001 - contained: the step is plain decoding (see faults.py)
-            self._prev = None
+            self._pending = None
             self.faults.record_fault(self._stage, err)
             if self.faults.should_raise:
                 raise
@@ -168,7 +178,7 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
         """Gates and the batch-wide budget over the drafted chains -> each request's first K_i tokens."""
         batch, depth = drafts.shape
         if depth == 0 or batch == 0:
-            self._prev = None
+            self._pending = None
             return [[] for _ in range(batch)]
         logps = torch.stack(self._echo_logps[-depth:], dim=1)[:batch]  # [B, depth]
         tree = self._chain_tree(drafts, logps)
@@ -176,7 +186,7 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
         self.faults.maybe_inject("gates")
         confidence = depth_confidence(tree)
         calibration = self.calibration if (self.calibration is not None and depth == self.max_depth) else None
-        depth_cap, truncated = gate_caps(confidence, calibration)
+        gates = Gates.evaluate(confidence, calibration, self.echo_settings.surplus_width)
         self._stage = "select"
         self.faults.maybe_inject("select")
         if self.echo_settings.surplus_tail and batch * depth <= self.k_max:
@@ -185,19 +195,14 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
             # Chains: valid is a prefix per request (a -inf score stays -inf along the cumulative sum).
             selection = compact_selection(tree.valid, tree.depth, tree.parent)
         else:
-            selection = select_budget(
-                tree.scores, tree.depth, tree.parent, tree.valid, tree.spine, depth_cap, truncated, self.k_max
-            )
+            selection = select_budget(tree, gates, self.k_max)
             if self.echo_settings.surplus_tail:
                 # Below the budget a truncated tail is free to verify and can only add accepted tokens; above
                 # it, the tails are what is cut.
-                selection = add_surplus_tails(
-                    selection, tree.scores, tree.depth, tree.parent, tree.valid, tree.spine, depth_cap, truncated,
-                    self.k_max,
-                )
-        self.last_tree, self.last_selection = tree, selection
+                selection = add_surplus_tails(selection, tree, gates, self.k_max)
         # Truncation counters stay on the device (no sync).
-        cap_index = torch.where(truncated, depth_cap.long() - 1, torch.full_like(depth_cap, depth, dtype=torch.long))
+        cap_index = torch.where(gates.truncated, gates.depth_cap.long() - 1,
+                                torch.full_like(gates.depth_cap, depth, dtype=torch.long))
         per_depth = torch.zeros(depth + 1, dtype=torch.int64, device=drafts.device)
         per_depth.scatter_add_(0, cap_index.clamp(0, depth), torch.ones_like(cap_index))
         self._trunc[:depth] += per_depth[:depth]
@@ -206,7 +211,7 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
         tokens = drafts.tolist()
         ragged = [row[:c] for row, c in zip(tokens, counts)]
         req_ids = list(self._runner.input_batch.req_ids[:batch]) if self._runner is not None else []
-        self._prev = ({rid: i for i, rid in enumerate(req_ids)}, confidence)
+        self._pending = PendingVerification({rid: i for i, rid in enumerate(req_ids)}, confidence)
         self._account(counts, batch, ragged)
         return ragged
 
@@ -238,16 +243,16 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
             self.faults.maybe_inject("feedback")
             self._observe(req_ids, sampled_token_ids, spec_decode_metadata)
         except Exception as err:  # noqa: BLE001 - contained: losing one step's feedback costs no correctness
-            self._prev = None
+            self._pending = None
             self.faults.record_fault("feedback", err)
             if self.faults.should_raise:
                 raise
 
     def _observe(self, req_ids: list[str], sampled_token_ids: Any, spec_decode_metadata: Any) -> None:
-        prev, self._prev = self._prev, None
-        if prev is None or spec_decode_metadata is None:
+        pending, self._pending = self._pending, None
+        if pending is None or spec_decode_metadata is None:
             return
-        index_of, confidence = prev
+        index_of, confidence = pending.row_of_request, pending.confidence
         num_draft = [int(n) for n in spec_decode_metadata.num_draft_tokens]
         rows = [(i, index_of[rid]) for i, rid in enumerate(req_ids) if num_draft[i] > 0 and rid in index_of]
         if not rows:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from testbed_fixture import shipped_testbed
 
-from echo_vllm.launch import cpu_runtime_env
+from echo_vllm.runtime_env import cpu_runtime_env
 from echo_vllm.vllm.offline import run_in_subprocess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -24,7 +24,7 @@ import pytest
 from testbed_fixture import shipped_testbed
 
 from echo_vllm.datasets import humaneval_prompts, mtbench_prompts
-from echo_vllm.launch import THREADS_BIND_ENV
+from echo_vllm.runtime_env import THREADS_BIND_ENV
 from echo_vllm.vllm.offline import run_in_subprocess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -98,7 +98,7 @@ def rss_total(pid: int) -> int:
 
 
 def server_env(cfg: SoakConfig) -> dict[str, str]:
-    from echo_vllm.launch import cpu_runtime_env  # noqa: PLC0415
+    from echo_vllm.runtime_env import cpu_runtime_env  # noqa: PLC0415
 
     env = cpu_runtime_env(os.environ, in_process=False)
     env.setdefault("ECHO_VLLM_LOG_INTERVAL", str(cfg.log_interval_s))  # the soak reads the last stats line

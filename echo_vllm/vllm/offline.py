@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from echo_vllm.launch import cpu_runtime_env
+from echo_vllm.runtime_env import cpu_runtime_env
 
 
 def _counter(metrics, name: str) -> float:

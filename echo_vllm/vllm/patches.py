@@ -15,7 +15,7 @@ import os
 from typing import Any, ClassVar
 
 from echo_vllm.config import EchoConfigError
-from echo_vllm.launch import THREADS_BIND_ENV, CpuThreadBindError, ensure_cpu_threads_bind
+from echo_vllm.runtime_env import THREADS_BIND_ENV, CpuThreadBindError, ensure_cpu_threads_bind
 from echo_vllm.vllm import spec as echo_spec
 
 logger = logging.getLogger("vllm.echo_vllm")

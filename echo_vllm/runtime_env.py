@@ -18,12 +18,13 @@ import sys
 from collections.abc import Mapping, MutableMapping, Sequence
 from pathlib import Path
 
-from echo_vllm.errors import EchoUserError
+from echo_vllm.device import is_cuda_machine
+from echo_vllm.errors import SetupError
 
 THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
-class CpuThreadBindError(EchoUserError, ValueError):
+class CpuThreadBindError(SetupError, ValueError):
     """More CPU workers than CPUs: no binding gives each worker a CPU of its own."""
 
 
@@ -34,18 +35,6 @@ def intel_openmp_library() -> Path | None:
         if candidate.is_file():
             return candidate
     return None
-
-
-def is_cuda_machine() -> bool:
-    forced = os.environ.get("ECHO_DEVICE")
-    if forced:
-        return forced == "cuda"
-    try:
-        import torch  # noqa: PLC0415
-
-        return bool(torch.version.cuda) and torch.cuda.is_available()
-    except ImportError:
-        return False
 
 
 def visible_numa_nodes(env: Mapping[str, str] | None = None, status_path: str = "/proc/self/status") -> list[int]:

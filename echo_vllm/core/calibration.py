@@ -30,14 +30,10 @@ from typing import Any
 
 import torch
 
-from echo_vllm.errors import EchoUserError
+from echo_vllm.errors import CalibrationError  # raised here, imported from here by the plugin and tests
 
 SCHEMA_VERSION = 1
 MODES = ("sparse", "dense", "fixed")
-
-
-class CalibrationError(EchoUserError, ValueError):
-    """A calibration file or input that cannot be used; the message names the file, the field and the fix."""
 
 
 # --------------------------------------------------------------------------------------------------------------

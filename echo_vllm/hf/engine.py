@@ -34,7 +34,7 @@ from echo_vllm.core import (
     verify_greedy,
     verify_sampling,
 )
-from echo_vllm.errors import EchoUserError
+from echo_vllm.errors import InputError
 from echo_vllm.hf.drafter import Eagle3TreeDrafter
 from echo_vllm.hf.target import HFTarget
 from echo_vllm.models.eagle3 import Eagle3Head, read_head_config
@@ -67,8 +67,8 @@ METHODS = tuple(METHOD_SPECS)
 GATED = {name: spec.gate_mode for name, spec in METHOD_SPECS.items() if spec.gate_mode}
 
 
-class EngineInputError(EchoUserError, ValueError):
-    pass
+class EngineInputError(InputError):
+    """Bad engine options or generation arguments (a method name, a depth, an empty prompt)."""
 
 
 @dataclass

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from echo_vllm.errors import EchoUserError
+from echo_vllm.errors import InputError
 
 DEFAULT_SLACK = 0.5
 DEFAULT_CONTEXT = 256
@@ -73,7 +73,7 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-class KneeInputError(EchoUserError, ValueError):
+class KneeInputError(InputError):
     """Bad arguments to the knee tool (printed as one line by the CLI)."""
 
 
@@ -133,7 +133,9 @@ def find_knee(
 
 def resolve_device(device: str | None) -> torch.device:
     if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        from echo_vllm.device import cuda_available  # noqa: PLC0415
+
+        return torch.device("cuda" if cuda_available() else "cpu")
     return torch.device(device)
 
 

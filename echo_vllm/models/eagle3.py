@@ -22,6 +22,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from echo_vllm.errors import InputError
+
+
+class HeadFilesMissing(InputError, FileNotFoundError):
+    """The head directory lacks config.json or model.safetensors (still a FileNotFoundError for callers)."""
+
 
 @dataclass(frozen=True)
 class Eagle3Config:
@@ -235,7 +241,7 @@ class Eagle3Head(nn.Module):
         config = read_head_config(head_dir)
         weights_path = head_dir / "model.safetensors"
         if not weights_path.is_file():
-            raise FileNotFoundError(f"EAGLE-3 head: {weights_path} is missing; build the testbed or point to a head dir")
+            raise HeadFilesMissing(f"EAGLE-3 head: {weights_path} is missing; build the testbed or point to a head dir")
         if target_embedding.shape[0] != config.vocab_size:
             raise ValueError(
                 f"EAGLE-3 head vocab_size {config.vocab_size} differs from the target's "
@@ -258,7 +264,7 @@ def read_head_config(head_dir: Path | str) -> Eagle3Config:
     """The head's config.json (JSON only), with a clear error when it is missing."""
     config_path = Path(head_dir) / "config.json"
     if not config_path.is_file():
-        raise FileNotFoundError(f"EAGLE-3 head: {config_path} is missing; build the testbed or point to a head dir")
+        raise HeadFilesMissing(f"EAGLE-3 head: {config_path} is missing; build the testbed or point to a head dir")
     return config_from_hf(json.loads(config_path.read_text()))
 
 

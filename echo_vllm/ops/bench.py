@@ -150,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    devices = args.devices.split(",") if args.devices else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    from echo_vllm.device import cuda_available  # noqa: PLC0415
+
+    devices = args.devices.split(",") if args.devices else ["cpu"] + (["cuda"] if cuda_available() else [])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
     print(
         f"{'device':>6} {'B':>5} {'N':>5} {'reference_us':>14} {'op_us':>10} {'graph_us':>10} {'ratio':>9} {'check':>8}"

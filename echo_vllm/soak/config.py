@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from echo_vllm.errors import EchoUserError
+from echo_vllm.errors import ConfigError
 from echo_vllm.testbed.paths import testbed_dir
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
@@ -21,7 +21,7 @@ DEFAULT_MEMORY_BOUND_MIB = 640
 DEFAULT_PLATEAU_BOUND_MIB = 64
 
 
-class SoakError(EchoUserError, ValueError):
+class SoakError(ConfigError):
     """A bad soak option or missing model: printed as one line."""
 
 

@@ -20,13 +20,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from echo_vllm.errors import EchoUserError
+from echo_vllm.errors import SetupError
 
 HOST = "127.0.0.1"  # the soak never talks to anything else
 VLLM = str(Path(sys.executable).parent / "vllm")
 
 
-class ServerError(EchoUserError, RuntimeError):
+class ServerError(SetupError):
     """`vllm serve` exited or did not come up: the message names the log file."""
 
     def __init__(self, message: str, log_path: Path) -> None:

@@ -6,12 +6,12 @@ import os
 import sysconfig
 from pathlib import Path
 
-from echo_vllm.errors import EchoUserError
+from echo_vllm.errors import InputError
 
 DEFAULT_TESTBED_DIR = Path("~/.cache/echo-vllm/testbed")
 
 
-class TestbedError(EchoUserError, RuntimeError):
+class TestbedError(InputError, RuntimeError):
     """A user-facing testbed problem (bad --out, missing sources): printed without a traceback."""
 
 

@@ -15,6 +15,7 @@ import os
 from typing import Any, ClassVar
 
 from echo_vllm.config import EchoConfigError
+from echo_vllm.device import cuda_available
 from echo_vllm.runtime_env import THREADS_BIND_ENV, CpuThreadBindError, ensure_cpu_threads_bind
 from echo_vllm.vllm import spec as echo_spec
 
@@ -83,12 +84,7 @@ class SpeculativeConfigPathPatch(EchoPatch):
 
 
 def _running_on_cuda() -> bool:
-    try:
-        import torch  # noqa: PLC0415
-
-        return bool(torch.version.cuda) and torch.cuda.is_available()
-    except Exception:  # noqa: BLE001
-        return False
+    return cuda_available()
 
 
 def _bind_cpu_worker_threads(engine_args) -> None:

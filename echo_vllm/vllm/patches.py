@@ -1,8 +1,9 @@
 """Every change echo-vllm makes to vLLM, one small named patch class each (ArcticInference style).
 
 `apply_patches()` is the only place patches are applied; it runs from `plugin.register()` after
-`hooks.check_hooks()` passed, so each patch's target is known to exist in the pinned vLLM. Each class names its
-hook (`module:attr`, an entry of `hooks.HOOKS` with kind 'patch') and keeps the original for `revert()`.
+`hooks.check_hooks()` passed, so each patch's target is known to exist in the pinned vLLM with the parameters the
+patch expects. Each class names its hook (`module:attr`), why it patches it and the target's parameter names;
+`hooks.HOOKS` derives its 'patch' rows from these classes. The original is kept for `revert()`.
 Every patch is a no-op unless ECHO is requested (method 'echo' / additional_config['echo']), except
 SpeculativeConfigPathPatch, which only widens `--speculative-config` to also accept a file path.
 """
@@ -17,6 +18,7 @@ from typing import Any, ClassVar
 from echo_vllm.config import EchoConfigError
 from echo_vllm.device import cuda_available
 from echo_vllm.runtime_env import THREADS_BIND_ENV, CpuThreadBindError, ensure_cpu_threads_bind
+from echo_vllm.vllm import instance_attrs
 from echo_vllm.vllm import spec as echo_spec
 
 logger = logging.getLogger("vllm.echo_vllm")
@@ -26,6 +28,8 @@ class EchoPatch:
     """Base: replace `owner.attr` (resolved from `hook`) with `cls.build(original)`; idempotent."""
 
     hook: ClassVar[str]  # "module:Class.attr" or "module:attr"
+    why: ClassVar[str]  # one line for the hook table
+    params: ClassVar[tuple[str, ...]]  # the target's parameter names in the pinned vLLM (checked at register())
     _original: ClassVar[Any] = None
     _applied: ClassVar[bool] = False
     _static: ClassVar[bool] = False
@@ -54,6 +58,7 @@ class EchoPatch:
         cls._original = original
         new = cls.build(original)
         new.__echo_patch__ = cls.__name__
+        new.__wrapped__ = original  # inspect.signature then reports vLLM's signature (hooks.check_hooks after apply)
         setattr(owner, attr, staticmethod(new) if cls._static else new)
         cls._applied = True
 
@@ -70,6 +75,8 @@ class SpeculativeConfigPathPatch(EchoPatch):
     """`--speculative-config` accepts a JSON file path as well as a JSON string (vLLM: json.loads only)."""
 
     hook = "vllm.engine.arg_utils:EngineArgs.add_cli_args"
+    why = "--speculative-config accepts a JSON file path as well as a JSON string"
+    params = ("parser",)  # a staticmethod
 
     @classmethod
     def build(cls, original):
@@ -125,6 +132,8 @@ class EchoEngineConfigPatch(EchoPatch):
     """
 
     hook = "vllm.engine.arg_utils:EngineArgs.create_engine_config"
+    why = "method 'echo' -> validated eagle3 run + additional_config['echo']; sync scheduling; V1 runner"
+    params = ("self", "usage_context", "headless")  # usage_context: read positionally or by name below
 
     @classmethod
     def build(cls, original):
@@ -181,6 +190,8 @@ class EchoDrafterPatch(EchoPatch):
     """GPUModelRunner.__init__ builds EchoProposer where it would build EagleProposer, iff ECHO is requested."""
 
     hook = "vllm.v1.worker.gpu_model_runner:GPUModelRunner.__init__"
+    why = "build EchoProposer instead of EagleProposer when additional_config['echo'] is set"
+    params = ("self", "vllm_config", "device")
 
     @classmethod
     def build(cls, original):
@@ -199,9 +210,9 @@ class EchoDrafterPatch(EchoPatch):
                 original(self, vllm_config, *args, **kwargs)
             finally:
                 module.EagleProposer = saved
-            drafter = getattr(self, "drafter", None)
-            if drafter is not None and not isinstance(drafter, EchoProposer):
-                raise EchoConfigError(f"ECHO requested but the runner built {type(drafter).__name__}")
+            instance_attrs.require(self, instance_attrs.RUNNER)  # vLLM drift fails here, not mid-step
+            if not isinstance(self.drafter, EchoProposer):
+                raise EchoConfigError(f"ECHO requested but the runner built {type(self.drafter).__name__}")
             return None
 
         return __init__
@@ -211,6 +222,11 @@ class EchoVerificationFeedbackPatch(EchoPatch):
     """Before drafting, give EchoProposer this step's verification result (for calibration and metrics)."""
 
     hook = "vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids"
+    why = "hand the step's verification result (sampled tokens, drafts per request) to EchoProposer"
+    params = (
+        "self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
+        "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata", "common_attn_metadata", "slot_mappings",
+    )  # the wrapper below repeats them positionally
 
     @classmethod
     def build(cls, original):
@@ -226,6 +242,8 @@ class EchoVerificationFeedbackPatch(EchoPatch):
             common_attn_metadata,
             slot_mappings,
         ):
+            # Patched for every runner: one without speculative decoding has no `drafter` at all, and only
+            # EchoProposer has observe_verification (EAGLE-3 and the rest pass straight through).
             observe = getattr(getattr(self, "drafter", None), "observe_verification", None)
             if observe is not None:
                 observe(list(self.input_batch.req_ids), sampled_token_ids, spec_decode_metadata)

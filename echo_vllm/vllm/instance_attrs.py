@@ -1,0 +1,82 @@
+"""The vLLM instance attributes the plugin reads, in one table, checked when the object is built.
+
+Class-level names are in `hooks.HOOKS` (checked at `register()`); these are set in vLLM's `__init__` bodies, so
+they can only be checked on a live object: the proposer's right after `EagleProposer.__init__`, the runner's
+right after `GPUModelRunner.__init__` (it builds its drafter before its input batch). A missing one is a vLLM
+drift and fails there with `VllmDriftError`, naming the attribute, its reader and the installed vLLM — not later
+as an AttributeError (or a silently skipped feature) in the middle of a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+class VllmDriftError(RuntimeError):
+    """The installed vLLM lacks an attribute the plugin reads (a vLLM change since the pinned release)."""
+
+
+@dataclass(frozen=True)
+class InstanceAttr:
+    owner: str  # the vLLM class whose instances carry it
+    path: str  # dotted attribute path on the instance
+    reader: str  # who reads it, for the error message and the docs table
+    why: str
+
+
+PROPOSER = "EagleProposer"
+RUNNER = "GPUModelRunner"
+
+INSTANCE_ATTRS: tuple[InstanceAttr, ...] = (
+    InstanceAttr(PROPOSER, "num_speculative_tokens", "EchoProposer.__init__", "the chain depth D when the "
+                 "payload has no max_depth"),
+    InstanceAttr(PROPOSER, "use_heterogeneous_vocab", "EchoProposer._sample_draft_tokens",
+                 "whether draft ids need mapping to target ids"),
+    InstanceAttr(PROPOSER, "vocab_mapping", "EchoProposer._sample_draft_tokens",
+                 "draft/target vocabulary mapping (None unless heterogeneous)"),
+    InstanceAttr(RUNNER, "drafter", "EchoDrafterPatch", "the proposer the runner built (must be EchoProposer)"),
+    InstanceAttr(RUNNER, "input_batch.req_ids", "EchoVerificationFeedbackPatch, EchoProposer._select",
+                 "request ids in batch order (verification results come back by request)"),
+    InstanceAttr(RUNNER, "input_batch.num_reqs", "EchoProposer._no_drafts", "one empty draft list per request"),
+    InstanceAttr(RUNNER, "discard_request_mask.gpu", "EchoProposer._chain_tree",
+                 "requests whose drafts vLLM drops (partial prefills) get no budget"),
+)
+# Not checked at construction: EagleProposer.model (EchoProposer._sample_draft_tokens) is assigned by
+# load_model() after the runner is built, and vLLM's own draft loop reads it first.
+
+
+def _lookup(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _vllm_version() -> str:
+    from echo_vllm.vllm.hooks import installed_vllm_version  # noqa: PLC0415 - hooks imports this module
+
+    return installed_vllm_version() or "not installed"
+
+
+def require(obj: Any, owner: str) -> None:
+    """Raise VllmDriftError if `obj` (an instance of vLLM's `owner`) lacks an attribute of the table."""
+    for attr in INSTANCE_ATTRS:
+        if attr.owner != owner:
+            continue
+        try:
+            _lookup(obj, attr.path)
+        except AttributeError:
+            from echo_vllm.vllm.hooks import FIX, PINNED_VLLM_VERSION  # noqa: PLC0415
+
+            raise VllmDriftError(
+                f"echo-vllm: vLLM {_vllm_version()} {owner} ({type(obj).__name__}) has no attribute "
+                f"'{attr.path}', read by {attr.reader} ({attr.why}); echo-vllm is pinned to vLLM "
+                f"{PINNED_VLLM_VERSION}; fix: {FIX}"
+            ) from None
+
+
+def table_markdown() -> str:
+    rows = ["| instance attribute | read by | why |", "|---|---|---|"]
+    for a in INSTANCE_ATTRS:
+        rows.append(f"| `{a.owner}.{a.path}` | {a.reader} | {a.why} |")
+    return "\n".join(rows)

@@ -65,7 +65,7 @@ bench-hf: testbed
 
 bench-ops: install
 	@mkdir -p out
-	$(PY) -m echo_vllm.ops.bench --json out/bench_ops.json
+	$(PY) -m echo_vllm.cli bench ops --json out/bench_ops.json
 
 # ~8 min on 2 CPU cores: 5 min of traffic (4000 requests at most), then the no-spec replay (docs/soak.md).
 soak: testbed

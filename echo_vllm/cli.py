@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="versions, CPU and vLLM kernel build, budget-op implementation, testbed location")
     doctor.set_defaults(func=_doctor)
 
-    from echo_vllm import bench_cli  # noqa: PLC0415
+    from echo_vllm.bench import cli as bench_cli  # noqa: PLC0415
 
     bench_cli.add_subcommands(sub)
     from echo_vllm.soak import cli as soak_cli  # noqa: PLC0415

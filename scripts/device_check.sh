@@ -48,7 +48,7 @@ grep -E "passed|failed|error" "$OUT_DIR/device_tests.log" | tail -n 1 || true
 
 step "benchmark"
 bench_rc=0
-timeout 150 "$PY" -m echo_vllm.ops.bench --json "$OUT_DIR/bench_device.json" || bench_rc=$?
+timeout 150 "$PY" -m echo_vllm.cli bench ops --json "$OUT_DIR/bench_device.json" || bench_rc=$?
 
 step "summary"
 "$PY" - "$OUT_DIR/bench_device.json" "$build_s" "$tests_rc" "$bench_rc" <<'PY'

@@ -13,10 +13,10 @@ import pytest
 import torch
 from testbed_fixture import shipped_testbed
 
+from echo_vllm.bench.datasets import humaneval_prompts, mtbench_prompts
+from echo_vllm.bench.hf import encode_prompts, load_tokenizer
 from echo_vllm.config import EchoConfigError, EchoSettings, parse_echo_settings
 from echo_vllm.core import Calibration
-from echo_vllm.datasets import humaneval_prompts, mtbench_prompts
-from echo_vllm.hf.bench import encode_prompts, load_tokenizer
 from echo_vllm.hf.engine import EngineInputError, EngineOptions, HFEngine
 from echo_vllm.models.eagle3 import Eagle3Head
 

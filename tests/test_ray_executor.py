@@ -223,7 +223,7 @@ def test_ray_executor_echo_matches_no_spec(local_ray):
     import torch
     from testbed_fixture import shipped_testbed
 
-    from echo_vllm.datasets import humaneval_prompts
+    from echo_vllm.bench.datasets import humaneval_prompts
     from echo_vllm.runtime_env import cpu_runtime_env
     from echo_vllm.vllm.offline import run_in_subprocess
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 from testbed_fixture import shipped_testbed
 
+from echo_vllm.bench.datasets import humaneval_prompts
 from echo_vllm.config import EchoConfigError
-from echo_vllm.datasets import humaneval_prompts
 from echo_vllm.vllm.faults import FaultGuard, FaultInjection, InjectedFault
 from echo_vllm.vllm.offline import run_in_subprocess
 

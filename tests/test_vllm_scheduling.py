@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from testbed_fixture import shipped_testbed
 
-from echo_vllm.datasets import humaneval_prompts, mtbench_prompts
+from echo_vllm.bench.datasets import humaneval_prompts, mtbench_prompts
 from echo_vllm.vllm.offline import run_in_subprocess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -23,7 +23,7 @@ import time
 import pytest
 from testbed_fixture import shipped_testbed
 
-from echo_vllm.datasets import humaneval_prompts, mtbench_prompts
+from echo_vllm.bench.datasets import humaneval_prompts, mtbench_prompts
 from echo_vllm.runtime_env import THREADS_BIND_ENV
 from echo_vllm.vllm.offline import run_in_subprocess
 

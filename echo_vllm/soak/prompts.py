@@ -22,7 +22,7 @@ MARGIN_TOKENS = (2, 6)  # "a few" tokens left spare, drawn per prompt
 
 def base_texts() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(completion prompts, chat prompts)."""
-    from echo_vllm.datasets import DatasetError, humaneval_prompts, mtbench_prompts  # noqa: PLC0415
+    from echo_vllm.bench.datasets import DatasetError, humaneval_prompts, mtbench_prompts  # noqa: PLC0415
 
     try:
         completion = tuple(humaneval_prompts())

@@ -1,4 +1,7 @@
-"""`echo-vllm bench hf`: every HF-engine method on the same models and prompts, ratios measured in one run."""
+"""`echo-vllm bench hf`: every HF-engine method on the same models and prompts, ratios measured in one run.
+
+Also the prompt encoding the HF engine's tests share (the testbed's tokenizer.json, prompt tails).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from echo_vllm.bench import report
 from echo_vllm.config import EchoSettings
 from echo_vllm.hf.engine import GATED, METHODS, EngineInputError, EngineOptions, HFEngine
 
@@ -59,7 +63,7 @@ def run_methods_interleaved(root: Path, methods: list[str], settings: EchoSettin
 def bench_hf(root: Path, methods: list[str], datasets: list[str], limit: int, max_new_tokens: int,
              settings: EchoSettings, max_depth: int, temperature: float = 0.0,
              json_path: str | None = None, gated_depth: int | None = None) -> list[dict[str, Any]]:
-    from echo_vllm.datasets import load_prompts  # noqa: PLC0415
+    from echo_vllm.bench.datasets import load_prompts  # noqa: PLC0415
 
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -102,7 +106,7 @@ def bench_hf(root: Path, methods: list[str], datasets: list[str], limit: int, ma
                 "ms_per_step": run["ms_per_step"],
             })
     if json_path:
-        Path(json_path).write_text(json.dumps({"settings": settings.model_dump(), "max_depth": max_depth,
+        report.write_text(json_path, json.dumps({"settings": settings.model_dump(), "max_depth": max_depth,
                                                "gated_depth": gated_depth or max_depth,
                                                "max_new_tokens": max_new_tokens, "results": results}, indent=2) + "\n")
     return results

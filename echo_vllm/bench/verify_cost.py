@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from echo_vllm.bench import report
 from echo_vllm.errors import InputError
 
 DEFAULT_SLACK = 0.5
@@ -294,7 +295,7 @@ def add_full_model_estimate(rows: list[dict[str, Any]], layers: int, full_layers
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# CLI (`echo-vllm bench verify-cost`, registered in echo_vllm.bench_cli)
+# CLI (`echo-vllm bench verify-cost`, registered in echo_vllm.bench.cli)
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -305,16 +306,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                ("x T=1", None, "{:.2f}")]
     if rows and "est_full_ms" in rows[0]:
         columns += [("head ms", "head_ms", "{:.3f}"), ("est. full ms", "est_full_ms", "{:.3f}")]
-    cells = []
-    for row in rows:
-        line = []
-        for _, key, fmt in columns:
-            line.append(fmt.format(row["median_ms"] / base if key is None else row[key]))
-        cells.append(line)
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (h, _, _) in enumerate(columns)]
-    out = ["  ".join(h.rjust(w) for (h, _, _), w in zip(columns, widths))]
-    out += ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in cells]
-    return "\n".join(out)
+    cells = [{h: fmt.format(row["median_ms"] / base if key is None else row[key]) for h, key, fmt in columns}
+             for row in rows]
+    return report.format_table(cells, [h for h, _, _ in columns], align=">")
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -377,5 +371,5 @@ def run_cli(args: argparse.Namespace) -> int:
     print("K_max counts draft tokens over the whole batch: at batch size B a step verifies B + sum K_i tokens, "
           "so K_max ~= knee - B (docs/tuning.md)")
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        report.write_text(args.json, json.dumps(result, indent=2) + "\n")
     return 0

@@ -1,4 +1,4 @@
-"""Benchmark of echo::select_budget against the torch reference: `python -m echo_vllm.ops.bench --json FILE`.
+"""Benchmark of echo::select_budget against the torch reference: `echo-vllm bench ops --json FILE`.
 
 For every device available (cpu; cuda when a device is visible) and every shape B x N (B in 1, 8, 64, 256;
 N in 64, 512), one run measures the reference and the op on the same inputs (warm-up, then the median of
@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from echo_vllm.bench import report
 from echo_vllm.core.budget import select_budget_reference
 from echo_vllm.core.tree import depth_major_layout
 
@@ -131,32 +132,27 @@ def run(devices: list[str], batches=BATCHES, nodes=NODES, warmup: int = 3, repea
     return results
 
 
+# Printed row by row while measuring: fixed widths, right-aligned, one space apart.
+COLUMNS = ("device", "B", "N", "reference_us", "op_us", "graph_us", "ratio", "check")
+WIDTHS = (6, 5, 5, 14, 10, 10, 9, 8)
+
+
 def _format_row(row: dict) -> str:
-    graph = f"{row['op_graph_us']:10.1f}" if row.get("op_graph_us") is not None else f"{'-':>10}"
-    return (
-        f"{row['device']:>6} {row['B']:>5} {row['N']:>5} {row['reference_us']:14.1f} {row['op_us']:10.1f} "
-        f"{graph} {row['ratio']:8.1f}x {'ok' if row['match'] else 'MISMATCH':>8}"
-    )
+    graph = f"{row['op_graph_us']:.1f}" if row.get("op_graph_us") is not None else "-"
+    cells = (row["device"], str(row["B"]), str(row["N"]), f"{row['reference_us']:.1f}", f"{row['op_us']:.1f}", graph,
+             f"{row['ratio']:.1f}x", "ok" if row["match"] else "MISMATCH")
+    return report.format_row(cells, WIDTHS, align=">", sep=" ")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m echo_vllm.ops.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--json", metavar="FILE", help="write {'results': [...]} to FILE")
-    parser.add_argument("--devices", default=None, help="comma-separated (default: cpu, plus cuda when visible)")
-    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
-    parser.add_argument("--nodes", default=",".join(map(str, NODES)))
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the CPU runs")
-    args = parser.parse_args(argv)
+def run_cli(args: argparse.Namespace) -> int:
+    """`echo-vllm bench ops` (arguments in echo_vllm.bench.cli)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     from echo_vllm.device import cuda_available  # noqa: PLC0415
 
     devices = args.devices.split(",") if args.devices else ["cpu"] + (["cuda"] if cuda_available() else [])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
-    print(
-        f"{'device':>6} {'B':>5} {'N':>5} {'reference_us':>14} {'op_us':>10} {'graph_us':>10} {'ratio':>9} {'check':>8}"
-    )
+    print(report.format_row(COLUMNS, WIDTHS, align=">", sep=" "))
     results = run(
         devices,
         batches=[int(b) for b in args.batches.split(",")],
@@ -164,10 +160,6 @@ def main(argv: list[str] | None = None) -> int:
         repeats=args.repeats,
     )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"results": results, "torch": torch.__version__, "threads": torch.get_num_threads()}, f, indent=1)
+        doc = {"results": results, "torch": torch.__version__, "threads": torch.get_num_threads()}
+        report.write_text(args.json, json.dumps(doc, indent=1))
     return 0 if all(r["match"] for r in results) else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,4 +1,5 @@
-"""`echo-vllm bench vllm|hf` and `echo-vllm demo`: ratios measured in one run, on the same models and prompts."""
+"""`echo-vllm bench hf|vllm|ops|verify-cost` and `echo-vllm demo`: ratios measured in one run, on the same models
+and prompts. Each command imports its benchmark (torch, vLLM) only when it runs, so `--help` stays fast."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from echo_vllm.bench.report import print_table, write_text
 from echo_vllm.testbed.paths import TestbedError, testbed_dir
 
 VLLM_METHODS = ("nospec", "eagle3", "echo")
@@ -46,21 +48,8 @@ def speculative_config_for(
     raise TestbedError(f"--methods: unknown method {method!r}; choose from {', '.join(VLLM_METHODS)}")
 
 
-def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    def fmt(value: Any) -> str:
-        if isinstance(value, float):
-            return f"{value:.3f}"
-        return "-" if value is None else str(value)
-
-    cells = [[fmt(row.get(c)) for c in columns] for row in rows]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
-    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
-    for r in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
-
-
 def bench_vllm(args: argparse.Namespace) -> int:
-    from echo_vllm.datasets import load_prompts  # noqa: PLC0415
+    from echo_vllm.bench.datasets import load_prompts  # noqa: PLC0415
     from echo_vllm.vllm.offline import run_in_subprocess  # noqa: PLC0415
 
     root = resolve_testbed(args.testbed)
@@ -100,7 +89,7 @@ def bench_vllm(args: argparse.Namespace) -> int:
     print_table(results, ["method", "batch_size", "mat", "accepted_per_verified_draft_token", "tokens_per_s",
                           "speedup_vs_nospec", "identical_to_baseline"])
     if args.json:
-        Path(args.json).write_text(json.dumps({"results": results}, indent=2) + "\n")
+        write_text(args.json, json.dumps({"results": results}, indent=2) + "\n")
     return 0 if all(r["identical_to_baseline"] for r in results) else 1
 
 
@@ -115,8 +104,8 @@ def _echo_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def bench_hf_command(args: argparse.Namespace) -> int:
+    from echo_vllm.bench.hf import bench_hf  # noqa: PLC0415
     from echo_vllm.config import parse_echo_settings  # noqa: PLC0415
-    from echo_vllm.hf.bench import bench_hf  # noqa: PLC0415
 
     root = resolve_testbed(args.testbed)
     settings = parse_echo_settings({"k_max": args.k_max, "top_k": args.top_k, "warmup_steps": args.warmup_steps,
@@ -134,7 +123,13 @@ def bench_hf_command(args: argparse.Namespace) -> int:
 
 
 def _verify_cost_command(args: argparse.Namespace) -> int:
-    from echo_vllm.hf.knee import run_cli  # noqa: PLC0415 - torch/transformers only when this command runs
+    from echo_vllm.bench.verify_cost import run_cli  # noqa: PLC0415 - torch/transformers only when this runs
+
+    return run_cli(args)
+
+
+def _ops_command(args: argparse.Namespace) -> int:
+    from echo_vllm.bench.ops import run_cli  # noqa: PLC0415 - torch and the compiled op only when this runs
 
     return run_cli(args)
 
@@ -185,6 +180,16 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     bhf.add_argument("--delta", type=float, default=0.6)
     bhf.add_argument("--json", help="write results here")
     bhf.set_defaults(func=bench_hf_command)
+
+    bops = bsub.add_parser("ops", help="the budget op (echo::select_budget) vs its torch reference: time and agreement")
+    bops.add_argument("--json", metavar="FILE", help="write {'results': [...]} to FILE")
+    bops.add_argument("--devices", default=None, help="comma-separated (default: cpu, plus cuda when visible)")
+    # The defaults are echo_vllm.bench.ops.BATCHES and NODES (not imported here: that module imports torch).
+    bops.add_argument("--batches", default="1,8,64,256", help="batch sizes B")
+    bops.add_argument("--nodes", default="64,512", help="tree sizes N (nodes per request)")
+    bops.add_argument("--repeats", type=int, default=20)
+    bops.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the CPU runs")
+    bops.set_defaults(func=_ops_command)
 
     bcost = bsub.add_parser("verify-cost", help="target forward time vs tokens verified: the knee to set K_max near")
     source = bcost.add_mutually_exclusive_group()

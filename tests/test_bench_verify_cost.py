@@ -1,4 +1,4 @@
-"""The verification-cost knee tool (echo_vllm/hf/knee.py, `echo-vllm bench verify-cost`).
+"""The verification-cost knee tool (echo_vllm/bench/verify_cost.py, `echo-vllm bench verify-cost`).
 
 `find_knee` on synthetic cost curves, the Llama-3.1-8B slice's shape (on the meta device: no weights), and a tiny
 real measurement on the shipped testbed target.
@@ -12,8 +12,7 @@ import pytest
 import torch
 from testbed_fixture import shipped_testbed
 
-from echo_vllm.cli import main as cli_main
-from echo_vllm.hf.knee import (
+from echo_vllm.bench.verify_cost import (
     DEFAULT_SLACK,
     KneeInputError,
     build_model_shape,
@@ -22,6 +21,7 @@ from echo_vllm.hf.knee import (
     measure_verify_cost,
     powers_of_two,
 )
+from echo_vllm.cli import main as cli_main
 
 TS = powers_of_two(512)
 

@@ -26,14 +26,17 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 from echo_vllm.errors import CalibrationError  # raised here, imported from here by the plugin and tests
 
 SCHEMA_VERSION = 1
-MODES = ("sparse", "dense", "fixed")
+Mode = Literal["sparse", "dense", "fixed"]
+MODES: tuple[str, ...] = get_args(Mode)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -291,65 +294,65 @@ class Calibration:
         )
 
 
-def _validate(data: Any, source: str, fix: str = "fix the value") -> None:
-    def bad(fld: str, why: str) -> CalibrationError:
-        return CalibrationError(f"{source}: field {fld!r} {why}; {fix}")
+Probability = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+Threshold = Annotated[float, Field(allow_inf_nan=False)]
+Count = Annotated[int, Field(ge=0)]
+PER_DEPTH_FIELDS = ("auc", "tau", "gated", "num_pos", "num_neg")
 
+
+class CalibrationFile(BaseModel):
+    """The calibration file's schema (what `Calibration.to_json_dict` writes). Strict: JSON true is not 1."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    schema_version: Literal[1]
+    mode: Mode
+    max_depth: Annotated[int, Field(ge=1)]
+    delta: Probability
+    min_samples_per_class: Annotated[int, Field(ge=1)]
+    auc: list[Probability | None]
+    tau: list[Threshold | None]
+    gated: list[bool]
+    num_pos: list[Count]
+    num_neg: list[Count]
+
+    @model_validator(mode="after")
+    def _per_depth_lists_agree(self) -> CalibrationFile:
+        for key in PER_DEPTH_FIELDS:
+            value = getattr(self, key)
+            if len(value) != self.max_depth:
+                raise PydanticCustomError(
+                    "calibration", f"field {key!r} must be a list of max_depth={self.max_depth} entries, "
+                    f"got length {len(value)}")
+        for d, (g, t) in enumerate(zip(self.gated, self.tau, strict=True)):
+            if g and t is None:
+                raise PydanticCustomError("calibration", f"field 'tau' is null at depth {d + 1}, which is gated")
+        return self
+
+
+def _format_problem(problem: dict[str, Any]) -> str:
+    """`field 'auc' entry 1: Input should be ...` from one pydantic error; a model check's own message as is."""
+    loc = problem["loc"]
+    if not loc:
+        return problem["msg"]
+    where = f"field {loc[0]!r}" + "".join(f" entry {p}" for p in loc[1:] if isinstance(p, int))
+    if problem["type"] == "missing":
+        return f"{where} is missing"
+    if problem["type"] == "extra_forbidden":
+        return f"{where} is unknown"
+    return f"{where}: {problem['msg']} (got {problem['input']!r})"
+
+
+def _validate(data: Any, source: str, fix: str = "fix the value") -> None:
     if not isinstance(data, dict):
         raise CalibrationError(f"{source}: must be a JSON object, got {type(data).__name__}; {fix}")
-    if data.get("schema_version") != SCHEMA_VERSION:
-        raise bad("schema_version", f"is {data.get('schema_version')!r}, expected {SCHEMA_VERSION}")
-    expected = {
-        "schema_version",
-        "mode",
-        "max_depth",
-        "delta",
-        "min_samples_per_class",
-        "auc",
-        "tau",
-        "gated",
-        "num_pos",
-        "num_neg",
-    }
-    for key in sorted(expected - set(data)):
-        raise bad(key, "is missing")
-    for key in sorted(set(data) - expected):
-        raise bad(key, "is unknown")
-    if data["mode"] not in MODES:
-        raise bad("mode", f"is {data['mode']!r}, expected one of {', '.join(MODES)}")
-    depth = data["max_depth"]
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-        raise bad("max_depth", f"must be an integer >= 1, got {depth!r}")
-    mins = data["min_samples_per_class"]
-    if isinstance(mins, bool) or not isinstance(mins, int) or mins < 1:
-        raise bad("min_samples_per_class", f"must be an integer >= 1, got {mins!r}")
-    delta = data["delta"]
-    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0.0 <= delta <= 1.0:
-        raise bad("delta", f"must be a number in [0, 1], got {delta!r}")
-
-    def is_num(x: Any) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-    def is_count(x: Any) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-    checks = (
-        ("auc", lambda x: x is None or (is_num(x) and 0.0 <= x <= 1.0), "numbers in [0, 1] or null"),
-        ("tau", lambda x: x is None or is_num(x), "finite numbers or null"),
-        ("gated", lambda x: isinstance(x, bool), "booleans"),
-        ("num_pos", is_count, "integers >= 0"),
-        ("num_neg", is_count, "integers >= 0"),
-    )
-    for key, ok, what in checks:
-        value = data[key]
-        if not isinstance(value, list) or len(value) != depth:
-            got = f"length {len(value)}" if isinstance(value, list) else type(value).__name__
-            raise bad(key, f"must be a list of max_depth={depth} entries, got {got}")
-        if not all(ok(x) for x in value):
-            raise bad(key, f"must hold {what}")
-    for d, (g, t) in enumerate(zip(data["gated"], data["tau"], strict=True)):
-        if g and t is None:
-            raise bad("tau", f"is null at depth {d + 1}, which is gated")
+    try:
+        CalibrationFile.model_validate(data)
+    except ValidationError as err:
+        first = {}  # one problem per field: a wrong list of 4000 entries is one line, not 4000
+        for problem in err.errors():
+            first.setdefault(problem["loc"][:1], _format_problem(problem))
+        raise CalibrationError(f"{source}: {'; '.join(first.values())}; {fix}") from None
 
 
 def calibrate(

@@ -1,6 +1,7 @@
 """The ECHO speculative config (`{"method": "echo", ...}`) and its translation into what vLLM validates.
 
-No vLLM import here: the argparse type, the engine-config patch and the tests share these functions.
+No vLLM import here: the argparse type, the engine-config patch, the manifest checks (`validate(spec,
+check_files=False)`) and the tests share these functions, so a file the checks pass is one `vllm serve` takes.
 
     {"method": "echo", "model": "<EAGLE-3 head>", "num_speculative_tokens": <max depth>, "echo": {EchoSettings}}
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,60 +30,98 @@ def is_echo_request(spec: Any) -> bool:
     return isinstance(spec, dict) and spec.get("method") == ECHO_METHOD
 
 
-def _check_head(model: Any) -> str:
+LOCAL_PATH_PREFIXES = (".", "/", "~")
+
+
+@dataclass(frozen=True)
+class EchoSpec:
+    """A validated echo.json: the head's path, the max draft depth and the `echo` settings."""
+
+    head: str
+    max_depth: int
+    settings: EchoSettings
+
+
+def _head_problem(model: Any, check_files: bool) -> str | None:
     if not isinstance(model, str) or not model:
-        raise EchoConfigError("speculative config: 'model' (the EAGLE-3 head) is required for method 'echo'")
+        return "'model' (the EAGLE-3 head) is required for method 'echo'"
     path = Path(model).expanduser()
-    looks_local = model.startswith((".", "/", "~")) or path.exists()
-    if looks_local and not (path / "config.json").is_file():
-        raise EchoConfigError(
-            f"speculative config: model {model!r} (the EAGLE-3 head) is not a directory with a config.json; "
-            "give the path of the head"
-        )
+    looks_local = model.startswith(LOCAL_PATH_PREFIXES) or (check_files and path.exists())
     if not looks_local:
-        raise EchoConfigError(
-            f"speculative config: model {model!r} (the EAGLE-3 head) does not exist locally; give the head's path"
-        )
-    return str(path)
+        # vLLM would resolve a hub id, but the plugin loads the head itself, from a directory only.
+        where = "does not exist locally" if check_files else "is not a path (a hub id?)"
+        return f"model {model!r} (the EAGLE-3 head) {where}; give the head's path"
+    if check_files and not (path / "config.json").is_file():
+        return f"model {model!r} (the EAGLE-3 head) is not a directory with a config.json; give the path of the head"
+    return None
 
 
-def _check_depth(value: Any) -> int:
+def _depth_problem(value: Any) -> str | None:
     if value is None:
-        raise EchoConfigError("speculative config: 'num_speculative_tokens' (max draft depth) is required for 'echo'")
+        return "'num_speculative_tokens' (max draft depth) is required for method 'echo'"
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise EchoConfigError(
-            f"speculative config: 'num_speculative_tokens' (max draft depth) must be an integer >= 1; got {value!r}"
-        )
-    return value
+        return f"num_speculative_tokens must be an integer >= 1 (the max draft depth); got {value!r}"
+    return None
 
 
-def check_calibration_file(settings: EchoSettings, max_depth: int) -> None:
+def _calibration_problem(settings: EchoSettings, max_depth: int) -> str | None:
     """Load an existing calibration file now so a corrupt one fails before anything is served."""
     if not settings.calibration_file:
-        return
+        return None
     path = Path(settings.calibration_file).expanduser()
     if not path.exists():
-        return
-    from echo_vllm.core.calibration import Calibration, CalibrationError  # noqa: PLC0415
+        return None
+    from echo_vllm.core.calibration import Calibration, CalibrationError  # noqa: PLC0415 - torch, only if needed
 
     try:
         Calibration.load(path, expected_max_depth=max_depth, expected_mode=settings.gate_mode)
     except CalibrationError as err:
-        raise EchoConfigError(f"echo.calibration_file: {err}") from None
+        return f"echo.calibration_file: {err}"
+    return None
+
+
+def spec_problems(spec: Any, *, check_files: bool = True) -> tuple[EchoSpec | None, list[str]]:
+    """(the validated spec or None, every problem found). `check_files=False` checks what can be checked away
+    from the serving machine (a manifest linter): the head must be a path, but neither it nor the calibration
+    file is looked at."""
+    if not isinstance(spec, dict):
+        return None, ["must be a JSON object"]
+    problems = []
+    if not is_echo_request(spec):
+        problems.append(f"method must be 'echo', got {spec.get('method')!r}")
+    depth_problem = _depth_problem(spec.get("num_speculative_tokens"))
+    head_problem = _head_problem(spec.get("model"), check_files)
+    problems += [p for p in (depth_problem, head_problem) if p]
+    try:
+        settings = parse_echo_settings(spec.get("echo"))
+    except EchoConfigError as err:
+        problems.append(str(err))
+        return None, problems
+    if depth_problem is None and check_files:
+        calibration_problem = _calibration_problem(settings, spec["num_speculative_tokens"])
+        problems += [calibration_problem] if calibration_problem else []
+    if problems:
+        return None, problems
+    head = str(Path(spec["model"]).expanduser())
+    return EchoSpec(head=head, max_depth=spec["num_speculative_tokens"], settings=settings), []
+
+
+def validate(spec: Any, *, check_files: bool = True) -> EchoSpec:
+    """The one validator of echo.json, for `vllm serve` (check_files=True) and the manifest checks (False);
+    EchoConfigError naming every problem."""
+    valid, problems = spec_problems(spec, check_files=check_files)
+    if valid is None:
+        raise EchoConfigError("speculative config: " + "; ".join(problems))
+    return valid
 
 
 def translate(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(eagle3 speculative config for vLLM, payload for additional_config['echo']); EchoConfigError if invalid."""
-    if not is_echo_request(spec):
-        raise EchoConfigError("speculative config: method must be 'echo'")
-    depth = _check_depth(spec.get("num_speculative_tokens"))
-    head = _check_head(spec.get("model"))
-    settings = parse_echo_settings(spec.get("echo"))
-    check_calibration_file(settings, depth)
+    valid = validate(spec, check_files=True)
     eagle = {k: v for k, v in spec.items() if k != "echo"}
     eagle["method"] = "eagle3"
-    eagle["model"] = head
-    payload = {"settings": settings.model_dump(), "max_depth": depth, "head": head}
+    eagle["model"] = valid.head
+    payload = {"settings": valid.settings.model_dump(), "max_depth": valid.max_depth, "head": valid.head}
     return eagle, payload
 
 

@@ -68,11 +68,11 @@ def test_metrics_by_hand():
     assert s["mat"] == pytest.approx((3 + 1 + 5 + 1) / 4)
     assert s["mean_depth"] == pytest.approx((3 + 1 + 4 + 0) / 4)
     assert s["utilization"] == pytest.approx(2.5 / 2.0)
-    assert s["verified_per_accepted_draft"] == pytest.approx(8 / 6)
+    assert s["accepted_per_verified_draft"] == pytest.approx(6 / 8)
     assert s["verified_per_emitted"] == pytest.approx(8 / 10)
     assert s["truncations_per_depth"] == [1, 1, 0, 0]
     assert s["truncation_rate"] == pytest.approx(0.5)
-    assert s["budget_utilization"] == pytest.approx((4 / 8 + 4 / 4) / 2)
+    assert s["budget_used"] == pytest.approx((4 / 8 + 4 / 4) / 2)
 
 
 def test_metrics_active_mask_and_empty():
@@ -82,7 +82,7 @@ def test_metrics_active_mask_and_empty():
     m.update(_selection([[1, 2], [1, 2, 3]]), _result([1, 3]), k_max=0, active=torch.tensor([True, False]))
     s = m.summary()
     assert s["request_steps"] == 1 and s["mat"] == 2.0 and s["mean_depth"] == 2.0
-    assert math.isnan(s["budget_utilization"])  # K_max = 0 steps are not counted
+    assert math.isnan(s["budget_used"])  # K_max = 0 steps are not counted
     with pytest.raises(ValueError, match="depth_cap"):
         m.update(_selection([[1]]), _result([0]), k_max=1, truncated=torch.tensor([True]))
 
@@ -128,5 +128,37 @@ def test_core_step_loop_end_to_end():
                 calibration = calibrate(recorder, "dense", delta=0.5, min_samples_per_class=1)
     s = metrics.summary()
     assert s["steps"] == 6 and s["mat"] >= 1.0
-    assert 0 < s["budget_utilization"] <= 1.0
+    assert 0 < s["budget_used"] <= 1.0
     assert calibration is not None and len(calibration.tau) == max_depth
+
+
+def test_two_half_steps_equal_one_update():
+    """The vLLM proposer records selection and verification a step apart; the figures are the same."""
+    sel, res = _selection([[1, 2, 3], [1]]), _result([2, 0])
+    cap, trunc = torch.tensor([4, 1], dtype=torch.int32), torch.tensor([False, True])
+    whole, halves = EchoMetrics(max_depth=4), EchoMetrics(max_depth=4)
+    whole.update(sel, res, 4, cap, trunc)
+    halves.record_selection(sel.counts, 4, cap, trunc)
+    halves.record_verification(res.num_emitted, res.accepted_len, sel.counts, sel.order_depth.amax(1))
+    assert whole.summary() == halves.summary()
+    s = whole.summary()
+    assert s["k_max"] == 4 and s["max_step_sum"] == 4 and s["mean_step_sum"] == 4.0
+    assert s["budget_bound_steps"] == 1  # all of K_max used while 2 x 4 draft tokens were possible
+
+
+def test_stats_line_is_what_the_soak_parses(tmp_path):
+    from echo_vllm.soak import checks
+    from echo_vllm.vllm.stats_log import format_stats_line
+
+    m = EchoMetrics(max_depth=4)
+    m.update(_selection([[1, 2, 3], [1]]), _result([2, 0]), 4, torch.tensor([4, 1]), torch.tensor([False, True]))
+    stats = {**m.summary(), "calibration": "calibrated after 3 steps", "sweet_spots": [1], "faults": 0,
+             "disabled": False}
+    log = tmp_path / "server.log"
+    log.write_text(f"(Worker pid=1) INFO [proposer.py:1] {format_stats_line(stats)}\n")
+    parsed = checks.last_echo_stats(log)
+    assert parsed["steps"] == 1 and parsed["k_max"] == 4 and parsed["max_step_sum"] == 4
+    assert parsed["budget_used"] == pytest.approx(1.0) and parsed["budget_bound_steps"] == 1
+    assert parsed["MAT"] == pytest.approx(2.0) and parsed["accepted/verified"] == pytest.approx(0.5)
+    assert parsed["truncations_per_depth"] == "[1, 0, 0, 0]" and parsed["calibration"] == "calibrated after 3 steps"
+    assert checks.check_echo_stats(parsed, 4).passed

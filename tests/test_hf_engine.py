@@ -83,7 +83,7 @@ def test_echo_identical_with_forced_gates(root, prompts, reference, tmp_path, de
     assert_identical(engine, prompts[:25], reference[:25], f"echo depth={depth} k={top_k} K_max={k_max}")
     summary = engine.metrics.summary()
     assert sum(summary["truncations_per_depth"]) > 0, "the forced gates never closed: the test proves nothing"
-    assert summary["budget_utilization"] <= 1.0 + 1e-9
+    assert summary["budget_used"] <= 1.0 + 1e-9
 
 
 @pytest.mark.slow
@@ -97,7 +97,7 @@ def test_echo_identical_with_paper_strict_width(root, prompts, reference, tmp_pa
         assert_identical(engine, prompts[:20], reference[:20], f"echo surplus_width={surplus}")
         summary = engine.metrics.summary()
         assert 0.0 < summary["truncation_rate"] < 1.0, "the gate must close on some steps and stay open on others"
-        used[surplus] = summary["budget_utilization"]
+        used[surplus] = summary["budget_used"]
     assert used["all"] > used["truncated"], used
 
 

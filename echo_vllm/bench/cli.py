@@ -113,7 +113,7 @@ def bench_hf_command(args: argparse.Namespace) -> int:
     results = bench_hf(root, _csv(args.methods), _csv(args.dataset), args.limit, args.max_tokens, settings,
                        args.depth, json_path=args.json, gated_depth=args.echo_depth)
     print_table(results, ["method", "dataset", "mat", "draft_utilization", "tokens_per_s", "speedup_vs_ar",
-                          "verified_per_accepted", "identical_to_ar"])
+                          "accepted_per_verified_draft", "identical_to_ar"])
     print("\nms per decoding step, by phase (speedup vs ar = MAT x ar ms/step / ms/step):")
     phases = [{"method": r["method"], "dataset": r["dataset"], **r["ms_per_step"],
                "total": sum(r["ms_per_step"].values())} for r in results if r["ms_per_step"]]

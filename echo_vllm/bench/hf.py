@@ -98,8 +98,8 @@ def bench_hf(root: Path, methods: list[str], datasets: list[str], limit: int, ma
                 "mean_depth_drafted": m.get("mean_depth"),
                 "tokens_per_s": tps,
                 "speedup_vs_ar": tps / ar_tps,
-                "verified_per_accepted": m.get("verified_per_accepted_draft"),
-                "budget_used": m.get("budget_utilization"),
+                "accepted_per_verified_draft": m.get("accepted_per_verified_draft"),
+                "budget_used": m.get("budget_used"),
                 "identical_to_ar": run["outputs"] == ar["outputs"],
                 "sweet_spots": (run["calibration"] or {}).get("gated"),
                 # Where a decoding step's time goes (ar: one target forward per token).

@@ -1,31 +1,78 @@
-"""Acceleration metrics for ECHO (tensors in, Python floats out; no host sync until `summary`).
+"""ECHO's statistics, one vocabulary for both engines: device-side accumulators in, host numbers out.
 
-Per verification step and request ("request-step"):
-  emitted      = num_emitted = accepted draft tokens + 1 bonus token;
-  depth        = the deepest selected depth of the request (max order_depth; 0 if nothing was selected);
-  verified     = counts[b], draft tokens submitted for verification (K_i).
-Summary:
-  mat                          = sum(emitted) / request_steps                    (Mean Accepted Tokens)
-  mean_depth                   = sum(depth) / request_steps
-  utilization (u)              = mat / mean_depth (ratio of the two means; NaN if nothing was drafted).
-                                 It includes the bonus token, as MAT does, so it can exceed 1.
-  verified_per_accepted_draft  = sum(verified) / sum(accepted draft tokens)        (NaN if none accepted)
-  verified_per_emitted         = sum(verified) / sum(emitted)
-  truncations_per_depth        = [number of request-steps truncated by a gate with depth_cap == d, d = 1..D]
-  truncation_rate              = truncated request-steps / request_steps
-  budget_utilization           = mean over steps with K_max > 0 of sum(counts) / K_max
-  steps, request_steps
+`EchoMetrics` holds the data only (as vLLM's `SpecDecodingStats`): float64/int64 tensors on the batch's device,
+added to in place, so recording a step never syncs with the host. `snapshot()` is the one host sync; it returns an
+`EchoStatsSnapshot` whose `as_dict()` is the JSON form. The log line of the vLLM plugin is formatted elsewhere
+(`echo_vllm.vllm.stats_log`), from that dict.
+
+A step is recorded in two halves, because vLLM learns a step's verification result one step after its selection:
+  record_selection     - at selection: sum_i K_i against K_max, gate truncations (HF engine and EchoProposer);
+  record_verification  - when the result is known: emitted, accepted, verified, depth per request-step.
+`update(selection, result, ...)` records both for an engine that verifies in the same step (HF).
+
+Per request ("request-step"):
+  emitted   = accepted draft tokens + 1 bonus token;
+  accepted  = accepted draft tokens;
+  verified  = draft tokens submitted for verification (K_i);
+  depth     = the deepest selected depth (HF: max order_depth; chains: = verified).
+Summary (`EchoStatsSnapshot` fields):
+  steps, request_steps           - selection steps; verified request-steps
+  k_max                          - the last step's K_max
+  mean_step_sum, max_step_sum    - sum_i K_i per step, mean and maximum (max <= K_max by construction)
+  budget_used                    - mean over steps with K_max > 0 of sum_i K_i / K_max (NaN if none)
+  budget_bound_steps             - steps that used all of K_max while the requests could have drafted more
+  mat                            - sum(emitted) / request_steps            (Mean Accepted Tokens)
+  mean_depth                     - sum(depth) / request_steps
+  utilization (u)                - mat / mean_depth (ratio of the two means; includes the bonus token, as MAT
+                                   does, so it can exceed 1; NaN if nothing was drafted)
+  accepted_per_verified_draft    - sum(accepted) / sum(verified)            (NaN if nothing was verified)
+  verified_per_emitted           - sum(verified) / sum(emitted)
+  truncations_per_depth          - [request-steps truncated by a gate with depth_cap == d, d = 1..D]
+  truncation_rate                - truncated request-steps / selected request-steps
 Only rows with `active` True count (default: all rows).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
 from .budget import BudgetSelection
 from .verify import VerifyResult
+
+# Slots of the float64 accumulator tensors.
+_SEL_REQUESTS, _SEL_STEP_SUM, _SEL_TRUNCATED, _SEL_BUDGET, _SEL_BOUND = range(5)
+_VER_REQUESTS, _VER_EMITTED, _VER_ACCEPTED, _VER_VERIFIED, _VER_DEPTH = range(5)
+
+
+@dataclass(frozen=True)
+class EchoStatsSnapshot:
+    """Host numbers of an `EchoMetrics` at one moment (see the module docstring for each field)."""
+
+    steps: int
+    request_steps: int
+    k_max: int | None
+    mean_step_sum: float
+    max_step_sum: int
+    budget_used: float
+    budget_bound_steps: int
+    mat: float
+    mean_depth: float
+    utilization: float
+    accepted_per_verified_draft: float
+    verified_per_emitted: float
+    truncations_per_depth: list[int]
+    truncation_rate: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else math.nan
 
 
 class EchoMetrics:
@@ -36,11 +83,73 @@ class EchoMetrics:
         self.reset()
 
     def reset(self) -> None:
-        self.steps = 0
-        self._totals: torch.Tensor | None = None  # [6] float64 device sums
+        self.steps = 0  # host int: counting steps needs no tensor
+        self.budget_steps = 0  # steps with K_max > 0
+        self.k_max: int | None = None
+        # Device accumulators, created on the first step's device.
+        self._selection: torch.Tensor | None = None  # [5] float64, slots _SEL_*
+        self._verification: torch.Tensor | None = None  # [5] float64, slots _VER_*
+        self._max_step_sum: torch.Tensor | None = None  # [] int64
         self._trunc: torch.Tensor | None = None  # [D] int64
-        self._budget_sum: torch.Tensor | None = None
-        self._budget_steps = 0
+
+    def _accumulators(self, device: torch.device) -> None:
+        if self._selection is None:
+            self._selection = torch.zeros(5, dtype=torch.float64, device=device)
+            self._verification = torch.zeros(5, dtype=torch.float64, device=device)
+            self._max_step_sum = torch.zeros((), dtype=torch.int64, device=device)
+            self._trunc = torch.zeros(self.max_depth, dtype=torch.int64, device=device)
+
+    def record_selection(
+        self,
+        counts: torch.Tensor,
+        k_max: int,
+        depth_cap: torch.Tensor | None = None,
+        truncated: torch.Tensor | None = None,
+        active: torch.Tensor | None = None,
+    ) -> None:
+        """One selection step: counts [B] = K_i; gates' depth_cap / truncated [B] when truncations are counted."""
+        self._accumulators(counts.device)
+        assert self._selection is not None and self._max_step_sum is not None and self._trunc is not None
+        act = torch.ones_like(counts, dtype=torch.bool) if active is None else active.to(torch.bool)
+        act64 = act.to(torch.float64)
+        rows = act64.sum()
+        step_sum = (counts.to(torch.float64) * act64).sum()
+        if truncated is not None:
+            if depth_cap is None:
+                raise ValueError("truncated needs depth_cap to count truncations per depth")
+            hit = truncated.to(torch.bool) & act
+            # Untruncated rows go to the extra bin D, dropped below.
+            cap = torch.where(hit, depth_cap.long() - 1, torch.full_like(depth_cap, self.max_depth, dtype=torch.long))
+            per_depth = torch.zeros(self.max_depth + 1, dtype=torch.int64, device=counts.device)
+            per_depth.scatter_add_(0, cap.clamp(min=0, max=self.max_depth), torch.ones_like(cap))
+            self._trunc += per_depth[: self.max_depth]
+            truncated_rows = hit.to(torch.float64).sum()
+        else:
+            truncated_rows = rows.new_zeros(())
+        # Bound: all of K_max used although the rows could have drafted more (B x D > K_max).
+        bound = ((step_sum == k_max) & (rows * self.max_depth > k_max)).to(torch.float64)
+        budget = step_sum / k_max if k_max > 0 else rows.new_zeros(())
+        self._selection += torch.stack([rows, step_sum, truncated_rows, budget, bound])
+        torch.maximum(self._max_step_sum, step_sum.to(torch.int64), out=self._max_step_sum)
+        self.steps += 1
+        self.budget_steps += int(k_max > 0)
+        self.k_max = k_max
+
+    def record_verification(
+        self,
+        emitted: torch.Tensor,
+        accepted: torch.Tensor,
+        verified: torch.Tensor,
+        depth: torch.Tensor,
+        active: torch.Tensor | None = None,
+    ) -> None:
+        """One verification result, per request-step [R]: emitted, accepted and verified tokens, selected depth."""
+        self._accumulators(emitted.device)
+        assert self._verification is not None
+        act = torch.ones_like(emitted, dtype=torch.float64) if active is None else active.to(torch.float64)
+        self._verification += torch.stack(
+            [act.sum()] + [(t.to(torch.float64) * act).sum() for t in (emitted, accepted, verified, depth)]
+        )
 
     def update(
         self,
@@ -51,61 +160,45 @@ class EchoMetrics:
         truncated: torch.Tensor | None = None,
         active: torch.Tensor | None = None,
     ) -> None:
+        """A step selected and verified at once (HF engine)."""
         counts = selection.counts
         batch = counts.shape[0]
-        device = counts.device
         if result.num_emitted.shape != (batch,):
             raise ValueError(f"result.num_emitted must be [B={batch}]; got {tuple(result.num_emitted.shape)}")
-        if active is None:
-            active = torch.ones(batch, dtype=torch.bool, device=device)
-        act = active.to(torch.float64)
+        if truncated is not None and depth_cap is None:
+            raise ValueError("truncated needs depth_cap to count truncations per depth")
         depth = selection.order_depth.amax(dim=1) if selection.order_depth.shape[1] else torch.zeros_like(counts)
-        row = torch.stack(
-            [
-                act.sum(),
-                (result.num_emitted.to(torch.float64) * act).sum(),
-                (depth.to(torch.float64) * act).sum(),
-                (counts.to(torch.float64) * act).sum(),
-                (result.accepted_len.to(torch.float64) * act).sum(),
-                ((truncated.to(torch.float64) * act).sum() if truncated is not None else act.new_zeros(())),
-            ]
+        self.record_verification(result.num_emitted, result.accepted_len, counts, depth, active)
+        self.record_selection(counts, k_max, depth_cap, truncated, active)
+
+    def snapshot(self) -> EchoStatsSnapshot:
+        """The host sync: every figure as a Python number."""
+        if self._selection is None:
+            sel, ver, max_sum, trunc = [0.0] * 5, [0.0] * 5, 0, [0] * self.max_depth
+        else:
+            assert self._verification is not None and self._max_step_sum is not None and self._trunc is not None
+            sel, ver = self._selection.tolist(), self._verification.tolist()
+            max_sum, trunc = int(self._max_step_sum.item()), self._trunc.tolist()
+        request_steps, emitted, accepted, verified, depth = (ver[i] for i in range(5))
+        mat = _ratio(emitted, request_steps)
+        mean_depth = _ratio(depth, request_steps)
+        return EchoStatsSnapshot(
+            steps=self.steps,
+            request_steps=int(request_steps),
+            k_max=self.k_max,
+            mean_step_sum=_ratio(sel[_SEL_STEP_SUM], self.steps) if self.steps else 0.0,
+            max_step_sum=max_sum,
+            budget_used=_ratio(sel[_SEL_BUDGET], self.budget_steps),
+            budget_bound_steps=int(sel[_SEL_BOUND]),
+            mat=mat,
+            mean_depth=mean_depth,
+            utilization=_ratio(mat, mean_depth) if not math.isnan(mean_depth) else math.nan,
+            accepted_per_verified_draft=_ratio(accepted, verified),
+            verified_per_emitted=_ratio(verified, emitted),
+            truncations_per_depth=[int(x) for x in trunc],
+            truncation_rate=_ratio(sel[_SEL_TRUNCATED], sel[_SEL_REQUESTS]),
         )
-        self._totals = row if self._totals is None else self._totals + row
-        if truncated is not None:
-            if depth_cap is None:
-                raise ValueError("truncated needs depth_cap to count truncations per depth")
-            hit = truncated.to(torch.bool) & active.to(torch.bool)
-            cap = torch.where(hit, depth_cap.long() - 1, torch.full_like(depth_cap, self.max_depth, dtype=torch.long))
-            per_depth = torch.zeros(self.max_depth + 1, dtype=torch.int64, device=device)
-            per_depth.scatter_add_(0, cap.clamp(min=0, max=self.max_depth), torch.ones_like(cap))
-            per_depth = per_depth[: self.max_depth]
-            self._trunc = per_depth if self._trunc is None else self._trunc + per_depth
-        if k_max > 0:
-            used = (counts.to(torch.float64) * act).sum() / k_max
-            self._budget_sum = used if self._budget_sum is None else self._budget_sum + used
-            self._budget_steps += 1
-        self.steps += 1
 
-    def summary(self) -> dict[str, float | int | list[int]]:
-        totals = [0.0] * 6 if self._totals is None else [float(x) for x in self._totals.cpu()]
-        request_steps, emitted, depth, verified, accepted, truncated = totals
-
-        def ratio(a: float, b: float) -> float:
-            return a / b if b > 0 else math.nan
-
-        mat = ratio(emitted, request_steps)
-        mean_depth = ratio(depth, request_steps)
-        trunc = [0] * self.max_depth if self._trunc is None else [int(x) for x in self._trunc.cpu()]
-        budget = math.nan if self._budget_sum is None else float(self._budget_sum) / self._budget_steps
-        return {
-            "steps": self.steps,
-            "request_steps": int(request_steps),
-            "mat": mat,
-            "mean_depth": mean_depth,
-            "utilization": ratio(mat, mean_depth) if not math.isnan(mean_depth) else math.nan,
-            "verified_per_accepted_draft": ratio(verified, accepted),
-            "verified_per_emitted": ratio(verified, emitted),
-            "truncations_per_depth": trunc,
-            "truncation_rate": ratio(truncated, request_steps),
-            "budget_utilization": budget,
-        }
+    def summary(self) -> dict[str, Any]:
+        """The JSON form of `snapshot()`."""
+        return self.snapshot().as_dict()

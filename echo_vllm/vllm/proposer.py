@@ -35,10 +35,13 @@ import torch
 from echo_vllm.core.budget import add_surplus_tails, compact_selection
 from echo_vllm.core.calibration import Calibration, CalibrationRecorder, calibrate
 from echo_vllm.core.gating import Gates, depth_confidence
+from echo_vllm.core.metrics import EchoMetrics
 from echo_vllm.core.tree import DraftTree
 from echo_vllm.ops import select_budget
+from echo_vllm.vllm import instance_attrs
 from echo_vllm.vllm import spec as echo_spec
 from echo_vllm.vllm.faults import guard_from_env
+from echo_vllm.vllm.stats_log import format_stats_line
 
 try:  # vLLM imports: this module is only imported inside a vLLM worker (EchoDrafterPatch)
     from vllm.v1.spec_decode.eagle import EagleProposer
@@ -77,6 +80,7 @@ class PendingVerification:
 class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
     def __init__(self, vllm_config, device, runner=None):
         super().__init__(vllm_config, device, runner)
+        instance_attrs.require(self, instance_attrs.PROPOSER)  # vLLM drift fails at construction, not mid-step
         payload = echo_spec.echo_payload(vllm_config)
         if payload is None:
             raise ValueError("EchoProposer needs additional_config['echo'] (set by the echo-vllm plugin)")
@@ -112,13 +116,8 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
         self._parent = torch.arange(-1, d - 1, dtype=torch.int32, device=device)
         # What this step's drafts were drafted from, read back when their verification result arrives.
         self._pending: PendingVerification | None = None
-        # Counters (host ints; device sums read at log time only).
-        self.steps = 0
-        self.max_step_sum = 0
-        self.sum_step_sums = 0
-        self.budget_bound_steps = 0
-        self._trunc = torch.zeros(d, dtype=torch.int64, device=device)
-        self._totals = torch.zeros(4, dtype=torch.float64, device=device)  # req-steps, emitted, verified, accepted
+        # The same statistics as the HF engine's (device accumulators; read back at log time only).
+        self.stats = EchoMetrics(d)
         self._step_log = (os.environ.get(STEP_LOG_ENV) or "").replace("{rank}", str(self.tp_rank)) or None
         self._log_interval = float(os.environ.get(LOG_INTERVAL_ENV, "10"))
         self._last_log = time.monotonic()
@@ -200,18 +199,16 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
                 # Below the budget a truncated tail is free to verify and can only add accepted tokens; above
                 # it, the tails are what is cut.
                 selection = add_surplus_tails(selection, tree, gates, self.k_max)
-        # Truncation counters stay on the device (no sync).
-        cap_index = torch.where(gates.truncated, gates.depth_cap.long() - 1,
-                                torch.full_like(gates.depth_cap, depth, dtype=torch.long))
-        per_depth = torch.zeros(depth + 1, dtype=torch.int64, device=drafts.device)
-        per_depth.scatter_add_(0, cap_index.clamp(0, depth), torch.ones_like(cap_index))
-        self._trunc[:depth] += per_depth[:depth]
         # The one host sync of the step: the ragged drafts must reach the scheduler as Python lists.
         counts = selection.counts.tolist()
         tokens = drafts.tolist()
         ragged = [row[:c] for row, c in zip(tokens, counts)]
         req_ids = list(self._runner.input_batch.req_ids[:batch]) if self._runner is not None else []
         self._pending = PendingVerification({rid: i for i, rid in enumerate(req_ids)}, confidence)
+        step_sum = sum(counts)
+        if step_sum > self.k_max:  # select_budget guarantees this; a violation is a bug, never silent
+            raise AssertionError(f"ECHO budget violated: sum of drafts {step_sum} > k_max {self.k_max}")
+        self.stats.record_selection(selection.counts, self.k_max, gates.depth_cap, gates.truncated)  # no sync
         self._account(counts, batch, ragged)
         return ragged
 
@@ -219,8 +216,9 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
         batch, depth = drafts.shape
         scores = torch.cumsum(logps.to(torch.float32), dim=1)
         valid = torch.isfinite(scores)
-        discard = getattr(getattr(self._runner, "discard_request_mask", None), "gpu", None)
-        if isinstance(discard, torch.Tensor) and discard.shape[0] >= batch:
+        # Partial prefills: vLLM drops their drafts. No runner only in a proposer built outside vLLM's runner.
+        discard = self._runner.discard_request_mask.gpu if self._runner is not None else None
+        if discard is not None and discard.shape[0] >= batch:
             valid = valid & ~discard[:batch].to(torch.bool).unsqueeze(1)  # partial prefills: drafts are dropped
         return DraftTree(
             tokens=drafts.to(torch.int64),
@@ -266,14 +264,7 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
         else:
             emitted = torch.tensor([len(sampled_token_ids[r[0]]) for r in rows], dtype=torch.long, device=device)
         accepted = (emitted - 1).clamp(min=0)
-        self._totals += torch.stack(
-            [
-                torch.tensor(float(len(rows)), dtype=torch.float64, device=device),
-                emitted.sum().to(torch.float64),
-                verified.sum().to(torch.float64),
-                accepted.sum().to(torch.float64),
-            ]
-        )
+        self.stats.record_verification(emitted, accepted, verified, depth=verified)  # chains: depth = K_i
         if self.calibration is None and self.echo_settings.warmup_steps > 0 and confidence.shape[1] == self.max_depth:
             d = self.max_depth
             mask = torch.arange(d, device=device).unsqueeze(0) < accepted.unsqueeze(1)
@@ -302,19 +293,13 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
         )
 
     def _account(self, counts: list[int], batch: int, ragged: list[list[int]]) -> None:
+        """The debug step log and the periodic stats line (host work on the host lists of this step)."""
         step_sum = sum(counts)
-        if step_sum > self.k_max:  # select_budget guarantees this; a violation is a bug, never silent
-            raise AssertionError(f"ECHO budget violated: sum of drafts {step_sum} > k_max {self.k_max}")
-        self.steps += 1
-        self.max_step_sum = max(self.max_step_sum, step_sum)
-        self.sum_step_sums += step_sum
-        if step_sum == self.k_max and self.k_max < batch * self.max_depth:
-            self.budget_bound_steps += 1
         if self._step_log:
             # The selection hash covers every request's chosen draft tokens: equal hashes on every TP rank in
             # every step mean the ranks made the same budget decision (vLLM uses only the output rank's lists).
             selection_hash = hashlib.sha1(json.dumps(ragged).encode()).hexdigest()[:16]
-            record = {"step": self.steps, "rank": self.tp_rank, "k_max": self.k_max, "sum": step_sum,
+            record = {"step": self.stats.steps, "rank": self.tp_rank, "k_max": self.k_max, "sum": step_sum,
                       "batch": batch, "counts": counts, "selection_hash": selection_hash,
                       "calibrated": self.calibration is not None}
             with open(self._step_log, "a") as fh:
@@ -322,35 +307,17 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
         now = time.monotonic()
         if now - self._last_log >= self._log_interval:
             self._last_log = now
-            logger.info("%s", self.format_stats())
+            logger.info("%s", format_stats_line(self.echo_stats()))
 
     def echo_stats(self) -> dict[str, Any]:
-        req_steps, emitted, verified, accepted = (float(x) for x in self._totals.cpu())
-        mean_sum = self.sum_step_sums / self.steps if self.steps else 0.0
-        mat = emitted / req_steps if req_steps else float("nan")
-        mean_depth = verified / req_steps if req_steps else float("nan")
+        """The statistics as a dict (one host sync): EchoMetrics' figures, calibration and faults."""
         return {
-            "steps": self.steps,
+            **self.stats.summary(),
             "k_max": self.k_max,
-            "max_step_sum": self.max_step_sum,
-            "mean_step_sum": mean_sum,
-            "budget_used": mean_sum / self.k_max if self.k_max else float("nan"),
-            "budget_bound_steps": self.budget_bound_steps,
-            "mat": mat,
-            "mean_verified_depth": mean_depth,
-            "utilization": mat / mean_depth if req_steps and mean_depth else float("nan"),
-            "accepted_per_verified_draft": accepted / verified if verified else float("nan"),
-            "truncations_per_depth": [int(x) for x in self._trunc.cpu()],
             "calibration": self.calibration_source,
             "sweet_spots": self.calibration.sweet_spots if self.calibration is not None else [],
             **self.faults.summary(),
         }
 
     def format_stats(self) -> str:
-        s = self.echo_stats()
-        return (
-            "ECHO stats: steps={steps} budget_used={budget_used:.3f} (mean sum {mean_step_sum:.2f} / k_max {k_max}, "
-            "max sum {max_step_sum}, bound steps {budget_bound_steps}) MAT={mat:.3f} utilization={utilization:.3f} "
-            "accepted/verified={accepted_per_verified_draft:.3f} truncations_per_depth={truncations_per_depth} "
-            "calibration={calibration} sweet_spots={sweet_spots} faults={faults} disabled={disabled}"
-        ).format(**s)
+        return format_stats_line(self.echo_stats())

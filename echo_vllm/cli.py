@@ -16,6 +16,7 @@ from echo_vllm.errors import EchoUserError
 from echo_vllm.testbed.paths import TestbedError, testbed_dir
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# Only a git checkout has it (an editable install points here); a wheel install has no tests/ directory.
 SHIPPED_TESTBED = REPO_ROOT / "tests" / "assets" / "testbed"
 
 
@@ -54,7 +55,8 @@ def _testbed_ensure(args: argparse.Namespace) -> int:
             return 0
         print(f"testbed at {out} is an older prebuilt copy: replacing it")
     if not shipped.is_file():
-        raise TestbedError(f"no prebuilt testbed at {SHIPPED_TESTBED}; run `echo-vllm testbed build --out {out}`")
+        raise TestbedError(f"no prebuilt testbed at {SHIPPED_TESTBED} (it ships with a git checkout of echo-vllm, "
+                           f"not with the installed package): run `echo-vllm testbed build --out {out}`")
     out.mkdir(parents=True, exist_ok=True)
     (out / PREBUILT_MARKER).write_text("installed by `echo-vllm testbed ensure` from the prebuilt testbed\n")
     for name in ("target", "eagle3", "testbed.json"):
@@ -116,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--stdlib", help="directory of Python sources to train on (default: this Python's stdlib)")
     build.set_defaults(func=_testbed_build)
-    ensure = tsub.add_parser("ensure", help="install the prebuilt testbed shipped with the repo if none is there")
+    ensure = tsub.add_parser("ensure", help="install the prebuilt testbed if none is there (needs a git checkout: it "
+                             "is tests/assets/testbed; elsewhere use `testbed build`)")
     ensure.add_argument("--out")
     ensure.add_argument("--force", action="store_true", help="replace a testbed that differs from the shipped one")
     ensure.set_defaults(func=_testbed_ensure)

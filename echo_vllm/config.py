@@ -55,7 +55,9 @@ class EchoSettings(BaseModel):
         default=8, ge=1, description="A depth needs this many accepted and rejected samples to be calibrated."
     )
     fault_limit: int = Field(
-        default=8, ge=1, description="vLLM: after this many consecutive steps with a fault inside ECHO (each runs "
+        default=8,
+        ge=1,
+        description="vLLM: after this many consecutive steps with a fault inside ECHO (each runs "
         "without drafts), ECHO turns itself off for the process; the engine keeps serving.",
     )
 

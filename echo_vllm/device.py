@@ -9,7 +9,7 @@ from collections.abc import Mapping
 def cuda_available() -> bool:
     """A CUDA build of torch with a visible device (a ROCm build's `torch.cuda` does not count)."""
     try:
-        import torch  # noqa: PLC0415 - torch is optional for the launcher and the manifest checks
+        import torch  # lazy: torch is optional for the launcher and the manifest checks
     except ImportError:
         return False
     try:

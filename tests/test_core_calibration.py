@@ -223,8 +223,17 @@ def test_bad_calibrate_arguments():
 def _save_repeatedly(path: str, writer: int, rounds: int) -> None:
     # Large files (long per-depth lists) make a half-written file likely to be seen if saving were not atomic.
     depth = 4000
-    cal = Calibration("dense", depth, 0.6, [0.5 + writer / 100] * depth, [0.1 * writer] * depth, [True] * depth,
-                      [10] * depth, [10] * depth, 1)
+    cal = Calibration(
+        "dense",
+        depth,
+        0.6,
+        [0.5 + writer / 100] * depth,
+        [0.1 * writer] * depth,
+        [True] * depth,
+        [10] * depth,
+        [10] * depth,
+        1,
+    )
     for _ in range(rounds):
         cal.save(path)
 

@@ -119,10 +119,12 @@ def test_width_eligible_policies():
     tree = grow_tree(SyntheticDrafter(1, 12, 3, seed=5), 1, 3, 3)
     cap = torch.tensor([3], dtype=torch.int32)
     open_gate = torch.tensor([False])
-    strict = select_budget_reference(tree.scores, tree.depth, tree.parent, tree.valid, tree.spine, cap,
-                                     width_eligible(open_gate, "truncated"), 6)
-    surplus = select_budget_reference(tree.scores, tree.depth, tree.parent, tree.valid, tree.spine, cap,
-                                      width_eligible(open_gate, "all"), 6)
+    strict = select_budget_reference(
+        tree.scores, tree.depth, tree.parent, tree.valid, tree.spine, cap, width_eligible(open_gate, "truncated"), 6
+    )
+    surplus = select_budget_reference(
+        tree.scores, tree.depth, tree.parent, tree.valid, tree.spine, cap, width_eligible(open_gate, "all"), 6
+    )
     assert int(strict.counts[0]) == 3 and strict.selected[0].eq(tree.spine[0]).all()
     assert int(surplus.counts[0]) == 6 and surplus.selected[0][tree.spine[0]].all()
     width_scores = tree.scores[0][~tree.spine[0]]

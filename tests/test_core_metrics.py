@@ -152,8 +152,13 @@ def test_stats_line_is_what_the_soak_parses(tmp_path):
 
     m = EchoMetrics(max_depth=4)
     m.update(_selection([[1, 2, 3], [1]]), _result([2, 0]), 4, torch.tensor([4, 1]), torch.tensor([False, True]))
-    stats = {**m.summary(), "calibration": "calibrated after 3 steps", "sweet_spots": [1], "faults": 0,
-             "disabled": False}
+    stats = {
+        **m.summary(),
+        "calibration": "calibrated after 3 steps",
+        "sweet_spots": [1],
+        "faults": 0,
+        "disabled": False,
+    }
     log = tmp_path / "server.log"
     log.write_text(f"(Worker pid=1) INFO [proposer.py:1] {format_stats_line(stats)}\n")
     parsed = checks.last_echo_stats(log)

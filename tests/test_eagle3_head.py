@@ -11,8 +11,16 @@ from echo_vllm.models.eagle3 import Eagle3Config, Eagle3Head, init_head_weights
 
 
 def test_fused_inference_path_matches_training_path():
-    cfg = Eagle3Config(hidden_size=64, target_hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                       intermediate_size=96, vocab_size=128, aux_layer_ids=(1, 2, 3), max_position_embeddings=256)
+    cfg = Eagle3Config(
+        hidden_size=64,
+        target_hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        vocab_size=128,
+        aux_layer_ids=(1, 2, 3),
+        max_position_embeddings=256,
+    )
     head = Eagle3Head(cfg)
     init_head_weights(head, seed=3)
     fast = copy.deepcopy(head).prepare_for_inference()

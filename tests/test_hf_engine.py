@@ -42,10 +42,17 @@ def reference(root, prompts) -> list[list[int]]:
 
 def forced_calibration(path: Path, mode: str, max_depth: int, tau: float, gated_depths: set[int]) -> str:
     """A calibration file whose gates close often, so that truncation and widening really run."""
-    cal = Calibration(mode=mode, max_depth=max_depth, delta=0.6, auc=[0.9] * max_depth,
-                      tau=[tau if (d + 1) in gated_depths else None for d in range(max_depth)],
-                      gated=[(d + 1) in gated_depths for d in range(max_depth)],
-                      num_pos=[10] * max_depth, num_neg=[10] * max_depth, min_samples_per_class=1)
+    cal = Calibration(
+        mode=mode,
+        max_depth=max_depth,
+        delta=0.6,
+        auc=[0.9] * max_depth,
+        tau=[tau if (d + 1) in gated_depths else None for d in range(max_depth)],
+        gated=[(d + 1) in gated_depths for d in range(max_depth)],
+        num_pos=[10] * max_depth,
+        num_neg=[10] * max_depth,
+        min_samples_per_class=1,
+    )
     cal.save(path)
     return str(path)
 
@@ -102,14 +109,18 @@ def test_echo_identical_with_paper_strict_width(root, prompts, reference, tmp_pa
 
 
 def test_k_max_zero_is_plain_decoding(root, prompts, reference):
-    engine = HFEngine(root / "target", root / "eagle3",
-                      EngineOptions(method="echo", max_depth=4, echo=EchoSettings(k_max=0)))
+    engine = HFEngine(
+        root / "target", root / "eagle3", EngineOptions(method="echo", max_depth=4, echo=EchoSettings(k_max=0))
+    )
     assert_identical(engine, prompts[:3], reference[:3], "k_max=0")
 
 
 def test_sampling_runs_and_respects_length(root, prompts):
-    engine = HFEngine(root / "target", root / "eagle3",
-                      EngineOptions(method="echo", max_depth=5, echo=EchoSettings(k_max=12, warmup_steps=4)))
+    engine = HFEngine(
+        root / "target",
+        root / "eagle3",
+        EngineOptions(method="echo", max_depth=5, echo=EchoSettings(k_max=12, warmup_steps=4)),
+    )
     for i, p in enumerate(prompts[:4]):
         out = engine.generate(p, MAX_NEW, temperature=0.8, seed=i).token_ids
         assert 1 <= len(out) <= MAX_NEW
@@ -157,15 +168,24 @@ def test_corrupt_calibration_file_is_clear_error(root, tmp_path):
     bad = tmp_path / "cal.json"
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="cal.json"):
-        HFEngine(root / "target", root / "eagle3",
-                 EngineOptions(method="echo", max_depth=4, echo=EchoSettings(calibration_file=str(bad))))
+        HFEngine(
+            root / "target",
+            root / "eagle3",
+            EngineOptions(method="echo", max_depth=4, echo=EchoSettings(calibration_file=str(bad))),
+        )
 
 
 @pytest.mark.parametrize(
     ("raw", "field"),
-    [({"k_max": -1}, "echo.k_max"), ({"top_k": 0}, "echo.top_k"), ({"delta": 1.5}, "echo.delta"),
-     ({"gate_mode": "always"}, "echo.gate_mode"), ({"kmax": 3}, "echo.kmax"), ({"k_max": True}, "echo.k_max"),
-     ({"surplus_width": "some"}, "echo.surplus_width")],
+    [
+        ({"k_max": -1}, "echo.k_max"),
+        ({"top_k": 0}, "echo.top_k"),
+        ({"delta": 1.5}, "echo.delta"),
+        ({"gate_mode": "always"}, "echo.gate_mode"),
+        ({"kmax": 3}, "echo.kmax"),
+        ({"k_max": True}, "echo.k_max"),
+        ({"surplus_width": "some"}, "echo.surplus_width"),
+    ],
 )
 def test_bad_config_values_name_the_field(raw, field):
     with pytest.raises(EchoConfigError, match=field.replace(".", r"\.")):
@@ -194,8 +214,9 @@ def test_sampling_first_spec_token_matches_target(root, prompts, tmp_path, metho
     import copy
 
     temperature, draws = 1.0, 2500
-    settings = EchoSettings(k_max=10, top_k=4,
-                            calibration_file=forced_calibration(tmp_path / "cal.json", "sparse", 4, 0.5, {1, 2}))
+    settings = EchoSettings(
+        k_max=10, top_k=4, calibration_file=forced_calibration(tmp_path / "cal.json", "sparse", 4, 0.5, {1, 2})
+    )
     engine = HFEngine(root / "target", root / "eagle3", EngineOptions(method=method, max_depth=4, echo=settings))
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -219,8 +240,12 @@ def test_engines_sharing_weights_stay_identical(root, prompts, reference):
     """The benchmark's engines share one copy of the weights (and run prompt by prompt): still lossless."""
     settings = EchoSettings(k_max=12, top_k=3, warmup_steps=4, min_samples_per_class=1)
     echo = HFEngine(root / "target", root / "eagle3", EngineOptions(method="echo", max_depth=4, echo=settings))
-    eagle2 = HFEngine(root / "target", root / "eagle3", EngineOptions(method="eagle2", max_depth=4, echo=settings),
-                      share_models_with=echo)
+    eagle2 = HFEngine(
+        root / "target",
+        root / "eagle3",
+        EngineOptions(method="eagle2", max_depth=4, echo=settings),
+        share_models_with=echo,
+    )
     ar = HFEngine(root / "target", None, EngineOptions(method="ar"), share_models_with=echo)
     assert eagle2.target is echo.target and ar.target is echo.target and eagle2.drafter.head is echo.drafter.head
     for i in range(6):

@@ -172,8 +172,10 @@ def local_ray():
 
 # Ray 2.60 advertises this machine's eth0 address even with --node-ip-address 127.0.0.1 and its GCS binds every
 # interface; our test policy allows loopback traffic only, so the live cluster runs on request (ECHO_RAY_LIVE=1).
-live_ray = pytest.mark.skipif(os.environ.get("ECHO_RAY_LIVE") != "1",
-                              reason="live Ray cluster: set ECHO_RAY_LIVE=1 (Ray does not stay on loopback)")
+live_ray = pytest.mark.skipif(
+    os.environ.get("ECHO_RAY_LIVE") != "1",
+    reason="live Ray cluster: set ECHO_RAY_LIVE=1 (Ray does not stay on loopback)",
+)
 
 
 @pytest.mark.slow
@@ -198,6 +200,7 @@ def test_scripts_form_a_two_node_ray_cluster(local_ray):
 
 # ------------------------------------------------------------------------- vLLM's Ray executor vs in-process
 
+
 def _platform_ray_support() -> tuple[bool, str]:
     from vllm.platforms import current_platform
 
@@ -210,7 +213,7 @@ def _platform_ray_support() -> tuple[bool, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.vllm
+@pytest.mark.engine
 @live_ray
 def test_ray_executor_echo_matches_no_spec(local_ray):
     """The testbed with ECHO through vLLM's Ray executor: greedy output identical to no-spec in-process."""
@@ -240,9 +243,16 @@ def test_ray_executor_echo_matches_no_spec(local_ray):
     assert head.returncode == 0, out[-3000:]
 
     through_ray = run_in_subprocess(
-        {**job, "executor": "ray", "speculative_config": {
-            "method": "echo", "model": str(root / "eagle3"), "num_speculative_tokens": 4,
-            "echo": {"k_max": 12, "warmup_steps": 8}}},
+        {
+            **job,
+            "executor": "ray",
+            "speculative_config": {
+                "method": "echo",
+                "model": str(root / "eagle3"),
+                "num_speculative_tokens": 4,
+                "echo": {"k_max": 12, "warmup_steps": 8},
+            },
+        },
         extra_env={"RAY_ADDRESS": ray.address, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
     )
     assert through_ray["token_ids"] == reference["token_ids"]

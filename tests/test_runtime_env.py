@@ -106,12 +106,15 @@ def test_cpu_runtime_env_binds_for_tensor_parallel(monkeypatch):
 
 def _engine_args(tp=2, pp=1, dp=1):
     return types.SimpleNamespace(
-        tensor_parallel_size=tp, pipeline_parallel_size=pp, prefill_context_parallel_size=1,
-        data_parallel_size=dp, nnodes=1,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        prefill_context_parallel_size=1,
+        data_parallel_size=dp,
+        nnodes=1,
     )
 
 
-@pytest.mark.vllm  # imports vllm.platforms (a few seconds), no engine
+@pytest.mark.needs_vllm  # imports vllm.platforms (a few seconds), no engine
 def test_echo_engine_config_patch_binds_before_the_engine_starts(monkeypatch, caplog):
     from echo_vllm.config import EchoConfigError
     from echo_vllm.vllm import patches

@@ -14,7 +14,7 @@ import sys
 import pytest
 from testbed_fixture import shipped_testbed
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 REQUESTS = 240
 CONCURRENCY = 32
@@ -24,9 +24,28 @@ CONCURRENCY = 32
 def soak(tmp_path_factory):
     root = shipped_testbed()
     out = tmp_path_factory.mktemp("soak")
-    argv = [sys.executable, "-m", "echo_vllm.cli", "soak", "--requests", str(REQUESTS), "--concurrency",
-            str(CONCURRENCY), "--duration-s", "240", "--warmup-requests", "160", "--model", str(root / "target"),
-            "--head", str(root / "eagle3"), "--out-dir", str(out), "--json", str(out / "soak.json")]
+    argv = [
+        sys.executable,
+        "-m",
+        "echo_vllm.cli",
+        "soak",
+        "--requests",
+        str(REQUESTS),
+        "--concurrency",
+        str(CONCURRENCY),
+        "--duration-s",
+        "240",
+        "--warmup-requests",
+        "160",
+        "--model",
+        str(root / "target"),
+        "--head",
+        str(root / "eagle3"),
+        "--out-dir",
+        str(out),
+        "--json",
+        str(out / "soak.json"),
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     report = json.loads((out / "soak.json").read_text()) if (out / "soak.json").is_file() else None
     assert report is not None, f"no report (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -58,8 +77,16 @@ def test_every_request_accounted_for(soak):
 def test_hostile_requests_get_4xx(soak):
     _, report = soak
     statuses = report["figures"]["traffic"]["hostile_status_by_kind"]
-    assert set(statuses) == {"empty-prompt", "empty-messages", "negative-max-tokens", "huge-max-tokens",
-                             "prompt-too-long", "greedy-n-gt-1", "unknown-model", "malformed-json"}
+    assert set(statuses) == {
+        "empty-prompt",
+        "empty-messages",
+        "negative-max-tokens",
+        "huge-max-tokens",
+        "prompt-too-long",
+        "greedy-n-gt-1",
+        "unknown-model",
+        "malformed-json",
+    }
     assert all(400 <= s < 500 for kinds in statuses.values() for s in kinds), statuses
     assert _check(report, "hostile requests get 4xx")["passed"]
 
@@ -72,8 +99,14 @@ def test_greedy_equals_no_spec_token_for_token(soak):
 
 def test_server_healthy_idle_and_memory_bounded(soak):
     _, report = soak
-    for name in ("server healthy after soak", "engine idle after soak", "server memory growth bounded",
-                 "server memory levels off (2nd half)", "server log has no traceback", "warm-up burst without errors"):
+    for name in (
+        "server healthy after soak",
+        "engine idle after soak",
+        "server memory growth bounded",
+        "server memory levels off (2nd half)",
+        "server log has no traceback",
+        "warm-up burst without errors",
+    ):
         assert _check(report, name)["passed"], _check(report, name)
     after = report["figures"]["metrics_after"]
     assert after["vllm:num_requests_running"] == 0 and after["vllm:num_requests_waiting"] == 0

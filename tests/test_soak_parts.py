@@ -18,8 +18,12 @@ from echo_vllm.soak.procs import Server, ServerSpec, tree_pids, tree_rss_bytes
 from echo_vllm.soak.report import percentile, traffic_figures
 from echo_vllm.soak.traffic import HOSTILE_KINDS, Prompts, build_mix
 
-PROMPTS = Prompts(completion=("def f(x):", "import os\n", "class A:"), chat=("Hi", "Explain tests."),
-                  long={1: ("a " * 1000,), 16: ("b " * 990,), 128: ("c " * 880,)}, too_long="d " * 1100)
+PROMPTS = Prompts(
+    completion=("def f(x):", "import os\n", "class A:"),
+    chat=("Hi", "Explain tests."),
+    long={1: ("a " * 1000,), 16: ("b " * 990,), 128: ("c " * 880,)},
+    too_long="d " * 1100,
+)
 
 
 def _mix(n: int = 400, seed: int = 0, **kw):
@@ -66,11 +70,13 @@ def test_hostile_specs_are_what_they_say():
 
 
 def test_parse_metrics_sums_label_sets_and_skips_comments():
-    text = ('# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\n'
-            'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
-            'vllm:num_requests_waiting{engine="0",model_name="m"} 0.0\n'
-            'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 5.0\n'
-            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n')
+    text = (
+        "# HELP vllm:num_requests_running x\n# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 0.0\n'
+        'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 5.0\n'
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+    )
     m = ck.parse_metrics(text)
     assert ck.engine_gauges(m) == {ck.RUNNING: 2.0, ck.WAITING: 0.0, ck.KV_USAGE: 0.25}
     assert not ck.is_idle(ck.engine_gauges(m), 0.0)
@@ -84,7 +90,8 @@ def test_last_echo_stats_line(tmp_path):
         "sum 4, bound steps 0) MAT=nan utilization=nan\n"
         "(Worker pid=1) INFO [proposer.py:1] ECHO stats: steps=288 budget_used=0.974 (mean sum 15.58 / k_max 16, "
         "max sum 16, bound steps 278) MAT=1.753 utilization=1.243 accepted/verified=0.534 "
-        "truncations_per_depth=[4958, 819, 0, 0] calibration=calibrated after 32 steps sweet_spots=[1, 2]\n")
+        "truncations_per_depth=[4958, 819, 0, 0] calibration=calibrated after 32 steps sweet_spots=[1, 2]\n"
+    )
     stats = ck.last_echo_stats(log)
     assert stats["steps"] == 288 and stats["max_step_sum"] == 16 and stats["budget_bound_steps"] == 278
     assert stats["MAT"] == pytest.approx(1.753) and stats["calibration"] == "calibrated after 32 steps"
@@ -98,8 +105,12 @@ def _result(i: int, outcome: str, latency: float = 1.0, error: str | None = None
 
 
 def test_accounting_and_figures():
-    results = [_result(0, COMPLETED, 1.0), _result(1, COMPLETED, 3.0), _result(2, CLIENT_CANCELLED),
-               _result(3, HOSTILE_4XX, label="hostile:empty-prompt")]
+    results = [
+        _result(0, COMPLETED, 1.0),
+        _result(1, COMPLETED, 3.0),
+        _result(2, CLIENT_CANCELLED),
+        _result(3, HOSTILE_4XX, label="hostile:empty-prompt"),
+    ]
     assert ck.check_accounting(results).passed
     fig = traffic_figures(results, 0, 1.0)
     assert (fig["sent"], fig["completed"], fig["client_aborts"], fig["hostile_4xx"]) == (4, 2, 1, 1)
@@ -139,11 +150,16 @@ def test_memory_checks():
 
 def test_server_group_is_stopped_with_its_children(tmp_path):
     # A parent that starts a child which ignores SIGTERM: stop() must still leave nothing behind.
-    script = ("import subprocess, sys, time; "
-              "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
-              "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)']); time.sleep(60)")
-    server = Server(ServerSpec(name="fake", argv=(sys.executable, "-c", script), env=dict(os.environ),
-                               log_path=tmp_path / "fake.log"))
+    script = (
+        "import subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)']); time.sleep(60)"
+    )
+    server = Server(
+        ServerSpec(
+            name="fake", argv=(sys.executable, "-c", script), env=dict(os.environ), log_path=tmp_path / "fake.log"
+        )
+    )
     with server:
         for _ in range(50):
             if len(tree_pids(server.pid)) >= 2:
@@ -168,11 +184,16 @@ def _state(pid: int) -> str:
 
 
 def test_cli_errors_are_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "echo_vllm.cli", "soak", "--requests", "0"], capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "echo_vllm.cli", "soak", "--requests", "0"], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("echo-vllm: error: --requests")
-    proc = subprocess.run([sys.executable, "-m", "echo_vllm.cli", "soak", "--model", str(tmp_path), "--head",
-                           str(tmp_path)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "echo_vllm.cli", "soak", "--model", str(tmp_path), "--head", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "make testbed" in proc.stderr.strip().splitlines()[-1]
 
 

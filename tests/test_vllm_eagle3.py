@@ -12,7 +12,7 @@ from testbed_fixture import shipped_testbed
 from echo_vllm.bench.datasets import humaneval_prompts
 from echo_vllm.vllm.offline import run_in_subprocess
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 NUM_PROMPTS = 24
 MAX_TOKENS = 48
@@ -24,8 +24,12 @@ def runs():
     prompts = humaneval_prompts(NUM_PROMPTS)
     base_job = {"model": str(root / "target"), "prompts": prompts, "max_tokens": MAX_TOKENS, "max_num_seqs": 8}
     baseline = run_in_subprocess(base_job)
-    eagle3 = run_in_subprocess({**base_job, "speculative_config": {
-        "method": "eagle3", "model": str(root / "eagle3"), "num_speculative_tokens": 4}})
+    eagle3 = run_in_subprocess(
+        {
+            **base_job,
+            "speculative_config": {"method": "eagle3", "model": str(root / "eagle3"), "num_speculative_tokens": 4},
+        }
+    )
     return baseline, eagle3
 
 

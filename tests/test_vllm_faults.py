@@ -60,14 +60,19 @@ def baseline():
 
 def _echo(job, fault: str, **echo):
     root = shipped_testbed()
-    spec = {"method": "echo", "model": str(root / "eagle3"), "num_speculative_tokens": DEPTH,
-            "echo": {"k_max": 8, "warmup_steps": 4, "min_samples_per_class": 2, **echo}}
-    return run_in_subprocess({**job, "speculative_config": spec},
-                             extra_env={"ECHO_VLLM_INJECT_FAULT": fault, "ECHO_VLLM_FAULTS": "contain",
-                                        "ECHO_VLLM_LOG_INTERVAL": "0"})
+    spec = {
+        "method": "echo",
+        "model": str(root / "eagle3"),
+        "num_speculative_tokens": DEPTH,
+        "echo": {"k_max": 8, "warmup_steps": 4, "min_samples_per_class": 2, **echo},
+    }
+    return run_in_subprocess(
+        {**job, "speculative_config": spec},
+        extra_env={"ECHO_VLLM_INJECT_FAULT": fault, "ECHO_VLLM_FAULTS": "contain", "ECHO_VLLM_LOG_INTERVAL": "0"},
+    )
 
 
-@pytest.mark.vllm
+@pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", ["draft", "gates", "select", "feedback"])
 def test_intermittent_faults_run_those_steps_without_drafts(baseline, stage):
@@ -82,7 +87,7 @@ def test_intermittent_faults_run_those_steps_without_drafts(baseline, stage):
     assert stats and "faults=0 " not in stats[-1], "the faults are counted in ECHO stats"
 
 
-@pytest.mark.vllm
+@pytest.mark.engine
 @pytest.mark.slow
 def test_persistent_faults_disable_echo_and_serving_goes_on(baseline):
     job, plain = baseline
@@ -95,7 +100,7 @@ def test_persistent_faults_disable_echo_and_serving_goes_on(baseline):
     assert out["spec"]["num_drafts"] == 0
 
 
-@pytest.mark.vllm
+@pytest.mark.engine
 @pytest.mark.slow
 def test_two_engines_starting_together_share_one_missing_calibration_file(baseline, tmp_path):
     """Two replicas start at once with the same missing calibration_file: both calibrate, either may save (each
@@ -109,8 +114,12 @@ def test_two_engines_starting_together_share_one_missing_calibration_file(baseli
     root = shipped_testbed()
     cal = tmp_path / "shared" / "calibration.json"
     cal.parent.mkdir()
-    spec = {"method": "echo", "model": str(root / "eagle3"), "num_speculative_tokens": DEPTH,
-            "echo": {"k_max": 8, "warmup_steps": 4, "min_samples_per_class": 2, "calibration_file": str(cal)}}
+    spec = {
+        "method": "echo",
+        "model": str(root / "eagle3"),
+        "num_speculative_tokens": DEPTH,
+        "echo": {"k_max": 8, "warmup_steps": 4, "min_samples_per_class": 2, "calibration_file": str(cal)},
+    }
     echo_job = {**job, "speculative_config": spec}
     with ThreadPoolExecutor(2) as pool:
         runs = list(pool.map(lambda _: run_in_subprocess(echo_job), range(2)))

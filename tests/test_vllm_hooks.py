@@ -46,13 +46,16 @@ def test_patch_and_kernel_rows_come_from_the_classes():
     assert len({h.name for h in hooks.HOOKS}) == len(hooks.HOOKS), "one row per vLLM name"
 
 
+@pytest.mark.needs_vllm
 def test_every_override_is_in_the_table_with_its_parameters():
     pytest.importorskip("vllm")
     from vllm.v1.spec_decode.eagle import EagleProposer
 
     from echo_vllm.vllm.proposer import EchoProposer
 
-    overridden = {name for name, value in vars(EchoProposer).items() if callable(value) and hasattr(EagleProposer, name)}
+    overridden = {
+        name for name, value in vars(EchoProposer).items() if callable(value) and hasattr(EagleProposer, name)
+    }
     rows = {h.attr.split(".", 1)[1]: h for h in hooks.HOOKS if h.kind == "override"}
     assert set(rows) == overridden
     for name, row in rows.items():
@@ -67,12 +70,14 @@ def test_patch_wrappers_accept_the_expected_parameters():
         inspect.signature(wrapper).bind(*patch.params)
 
 
+@pytest.mark.needs_vllm
 def test_pinned_vllm_has_the_expected_signatures():
     pytest.importorskip("vllm")
     report = hooks.check_hooks(cached=False)
     assert report.ok, hooks.incompatibility_message(report)
 
 
+@pytest.mark.needs_vllm
 def test_signature_drift_is_detected_and_nothing_is_patched(monkeypatch):
     pytest.importorskip("vllm")
     from vllm.v1.spec_decode import llm_base_proposer
@@ -107,7 +112,9 @@ def test_signature_drift_is_detected_and_nothing_is_patched(monkeypatch):
 
 def test_a_missing_instance_attribute_fails_loudly():
     batch = types.SimpleNamespace(req_ids=["a"], num_reqs=1)
-    runner = types.SimpleNamespace(drafter=object(), input_batch=batch, discard_request_mask=types.SimpleNamespace(gpu=None))
+    runner = types.SimpleNamespace(
+        drafter=object(), input_batch=batch, discard_request_mask=types.SimpleNamespace(gpu=None)
+    )
     instance_attrs.require(runner, instance_attrs.RUNNER)
     del runner.discard_request_mask
     with pytest.raises(instance_attrs.VllmDriftError) as err:

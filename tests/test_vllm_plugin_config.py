@@ -10,7 +10,7 @@ import pytest
 from echo_vllm.config import EchoConfigError
 from echo_vllm.vllm import hooks, spec
 
-pytestmark = [pytest.mark.vllm]
+pytestmark = [pytest.mark.needs_vllm]
 
 
 @pytest.fixture()

@@ -16,7 +16,7 @@ from testbed_fixture import shipped_testbed
 from echo_vllm.bench.datasets import humaneval_prompts, mtbench_prompts
 from echo_vllm.vllm.offline import run_in_subprocess
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 MAX_TOKENS = 32
 DEPTH = 4
@@ -46,9 +46,15 @@ def test_echo_greedy_identical_and_budget_bounded(prompts, calibration_file, tmp
     loads_calibration = calibration_file.exists()
     step_log = tmp_path / "steps.jsonl"
     echo = run_in_subprocess(
-        {**job, "speculative_config": {
-            "method": "echo", "model": str(root / "eagle3"), "num_speculative_tokens": DEPTH,
-            "echo": {"k_max": k_max, "warmup_steps": 8, "calibration_file": str(calibration_file)}}},
+        {
+            **job,
+            "speculative_config": {
+                "method": "echo",
+                "model": str(root / "eagle3"),
+                "num_speculative_tokens": DEPTH,
+                "echo": {"k_max": k_max, "warmup_steps": 8, "calibration_file": str(calibration_file)},
+            },
+        },
         extra_env={"ECHO_VLLM_STEP_LOG": str(step_log)},
     )
     assert len(baseline["token_ids"]) == len(prompts) == 50
@@ -80,18 +86,32 @@ def test_surplus_tail_spends_unused_budget_on_truncated_chains(prompts, tmp_path
     from echo_vllm.core import Calibration
 
     cal = tmp_path / "cal.json"
-    Calibration(mode="sparse", max_depth=DEPTH, delta=0.6, auc=[0.9] * DEPTH, tau=[0.9, None, None, None],
-                gated=[True, False, False, False], num_pos=[10] * DEPTH, num_neg=[10] * DEPTH,
-                min_samples_per_class=1).save(cal)
+    Calibration(
+        mode="sparse",
+        max_depth=DEPTH,
+        delta=0.6,
+        auc=[0.9] * DEPTH,
+        tau=[0.9, None, None, None],
+        gated=[True, False, False, False],
+        num_pos=[10] * DEPTH,
+        num_neg=[10] * DEPTH,
+        min_samples_per_class=1,
+    ).save(cal)
     head, target = shipped_testbed() / "eagle3", shipped_testbed() / "target"
     subset = prompts[:8]
     base = {"model": str(target), "prompts": subset, "max_tokens": MAX_TOKENS, "max_num_seqs": 1}
     baseline = run_in_subprocess({**base, "speculative_config": None})
     step_log = tmp_path / "steps.jsonl"
     echo = run_in_subprocess(
-        {**base, "speculative_config": {"method": "echo", "model": str(head), "num_speculative_tokens": DEPTH,
-                                        "echo": {"k_max": 16, "calibration_file": str(cal),
-                                                 "surplus_tail": surplus_tail}}},
+        {
+            **base,
+            "speculative_config": {
+                "method": "echo",
+                "model": str(head),
+                "num_speculative_tokens": DEPTH,
+                "echo": {"k_max": 16, "calibration_file": str(cal), "surplus_tail": surplus_tail},
+            },
+        },
         extra_env={"ECHO_VLLM_STEP_LOG": str(step_log)},
     )
     assert echo["token_ids"] == baseline["token_ids"]
@@ -116,8 +136,15 @@ def test_echo_greedy_identical_on_the_avx2_build(prompts, tmp_path):
     baseline = run_in_subprocess(job, extra_env=avx2)
     step_log = tmp_path / "steps.jsonl"
     echo = run_in_subprocess(
-        {**job, "speculative_config": {"method": "echo", "model": str(root / "eagle3"), "num_speculative_tokens": DEPTH,
-                                       "echo": {"k_max": 6, "warmup_steps": 8, "min_samples_per_class": 2}}},
+        {
+            **job,
+            "speculative_config": {
+                "method": "echo",
+                "model": str(root / "eagle3"),
+                "num_speculative_tokens": DEPTH,
+                "echo": {"k_max": 6, "warmup_steps": 8, "min_samples_per_class": 2},
+            },
+        },
         extra_env={**avx2, "ECHO_VLLM_STEP_LOG": str(step_log)},
     )
     assert baseline["vllm_extensions"] == echo["vllm_extensions"] == ["_C_AVX2"]

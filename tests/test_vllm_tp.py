@@ -27,7 +27,7 @@ from echo_vllm.bench.datasets import humaneval_prompts, mtbench_prompts
 from echo_vllm.runtime_env import THREADS_BIND_ENV
 from echo_vllm.vllm.offline import run_in_subprocess
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 TP = 2
 MAX_TOKENS = 32
@@ -44,8 +44,12 @@ def _read_steps(path):
 def _job(prompts):
     root = shipped_testbed()
     return {
-        "model": str(root / "target"), "prompts": prompts, "max_tokens": MAX_TOKENS, "max_num_seqs": MAX_NUM_SEQS,
-        "executor": "mp", "extra": {"tensor_parallel_size": TP},
+        "model": str(root / "target"),
+        "prompts": prompts,
+        "max_tokens": MAX_TOKENS,
+        "max_num_seqs": MAX_NUM_SEQS,
+        "executor": "mp",
+        "extra": {"tensor_parallel_size": TP},
     }
 
 
@@ -56,9 +60,15 @@ def test_echo_tp2_matches_no_spec_and_ranks_agree(tmp_path):
     baseline = run_in_subprocess(job, timeout=600)
     step_log = tmp_path / "steps-{rank}.jsonl"
     echo = run_in_subprocess(
-        {**job, "speculative_config": {
-            "method": "echo", "model": str(shipped_testbed() / "eagle3"), "num_speculative_tokens": DEPTH,
-            "echo": ECHO}},
+        {
+            **job,
+            "speculative_config": {
+                "method": "echo",
+                "model": str(shipped_testbed() / "eagle3"),
+                "num_speculative_tokens": DEPTH,
+                "echo": ECHO,
+            },
+        },
         timeout=600,
         # Workers inherit the engine core's environment, which inherits this one: the step log reaches every rank.
         extra_env={"ECHO_VLLM_STEP_LOG": str(step_log), THREADS_BIND_ENV: "auto"},
@@ -79,7 +89,8 @@ def test_echo_tp2_matches_no_spec_and_ranks_agree(tmp_path):
     keys = ("step", "sum", "batch", "counts", "selection_hash", "calibrated")
     diverged = [
         (a["step"], {k: (a[k], b[k]) for k in keys if a[k] != b[k]})
-        for a, b in zip(*ranks) if any(a[k] != b[k] for k in keys)
+        for a, b in zip(*ranks)
+        if any(a[k] != b[k] for k in keys)
     ]
     assert not diverged, f"ranks made different budget selections: {diverged[:3]}"
 

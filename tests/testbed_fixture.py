@@ -13,6 +13,8 @@ SHIPPED = Path(__file__).parent / "assets" / "testbed"
 def shipped_testbed() -> Path:
     root = Path(os.environ.get("ECHO_TEST_TESTBED", SHIPPED))
     if not (root / "target" / "config.json").is_file():
-        pytest.fail(f"testbed missing at {root}: it is committed under tests/assets/testbed "
-                    "(rebuild: echo-vllm testbed build --out tests/assets/testbed)")
+        pytest.fail(
+            f"testbed missing at {root}: it is committed under tests/assets/testbed "
+            "(rebuild: echo-vllm testbed build --out tests/assets/testbed)"
+        )
     return root

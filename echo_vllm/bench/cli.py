@@ -49,8 +49,8 @@ def speculative_config_for(
 
 
 def bench_vllm(args: argparse.Namespace) -> int:
-    from echo_vllm.bench.datasets import load_prompts  # noqa: PLC0415
-    from echo_vllm.vllm.offline import run_in_subprocess  # noqa: PLC0415
+    from echo_vllm.bench.datasets import load_prompts
+    from echo_vllm.vllm.offline import run_in_subprocess
 
     root = resolve_testbed(args.testbed)
     methods = _csv(args.methods)
@@ -86,8 +86,18 @@ def bench_vllm(args: argparse.Namespace) -> int:
             row["speedup_vs_nospec"] = row["tokens_per_s"] / (baseline["num_generated"] / baseline["generate_seconds"])
             if method in methods:
                 results.append(row)
-    print_table(results, ["method", "batch_size", "mat", "accepted_per_verified_draft_token", "tokens_per_s",
-                          "speedup_vs_nospec", "identical_to_baseline"])
+    print_table(
+        results,
+        [
+            "method",
+            "batch_size",
+            "mat",
+            "accepted_per_verified_draft_token",
+            "tokens_per_s",
+            "speedup_vs_nospec",
+            "identical_to_baseline",
+        ],
+    )
     if args.json:
         write_text(args.json, json.dumps({"results": results}, indent=2) + "\n")
     return 0 if all(r["identical_to_baseline"] for r in results) else 1
@@ -95,41 +105,77 @@ def bench_vllm(args: argparse.Namespace) -> int:
 
 def _echo_options(args: argparse.Namespace) -> dict[str, Any]:
     """The `echo` block for method 'echo' from --k-max/--top-k/--warmup-steps, validated like echo.json."""
-    from echo_vllm.config import parse_echo_settings  # noqa: PLC0415
+    from echo_vllm.config import parse_echo_settings
 
-    raw = {"k_max": getattr(args, "k_max", 16), "top_k": getattr(args, "top_k", 1),
-           "warmup_steps": getattr(args, "warmup_steps", 16), "surplus_tail": getattr(args, "surplus_tail", True)}
+    raw = {
+        "k_max": getattr(args, "k_max", 16),
+        "top_k": getattr(args, "top_k", 1),
+        "warmup_steps": getattr(args, "warmup_steps", 16),
+        "surplus_tail": getattr(args, "surplus_tail", True),
+    }
     parse_echo_settings(raw)
     return raw
 
 
 def bench_hf_command(args: argparse.Namespace) -> int:
-    from echo_vllm.bench.hf import bench_hf  # noqa: PLC0415
-    from echo_vllm.config import parse_echo_settings  # noqa: PLC0415
+    from echo_vllm.bench.hf import bench_hf
+    from echo_vllm.config import parse_echo_settings
 
     root = resolve_testbed(args.testbed)
-    settings = parse_echo_settings({"k_max": args.k_max, "top_k": args.top_k, "warmup_steps": args.warmup_steps,
-                                    "delta": args.delta, "surplus_width": args.surplus_width})
-    results = bench_hf(root, _csv(args.methods), _csv(args.dataset), args.limit, args.max_tokens, settings,
-                       args.depth, json_path=args.json, gated_depth=args.echo_depth)
-    print_table(results, ["method", "dataset", "mat", "draft_utilization", "tokens_per_s", "speedup_vs_ar",
-                          "accepted_per_verified_draft", "identical_to_ar"])
+    settings = parse_echo_settings(
+        {
+            "k_max": args.k_max,
+            "top_k": args.top_k,
+            "warmup_steps": args.warmup_steps,
+            "delta": args.delta,
+            "surplus_width": args.surplus_width,
+        }
+    )
+    results = bench_hf(
+        root,
+        _csv(args.methods),
+        _csv(args.dataset),
+        args.limit,
+        args.max_tokens,
+        settings,
+        args.depth,
+        json_path=args.json,
+        gated_depth=args.echo_depth,
+    )
+    print_table(
+        results,
+        [
+            "method",
+            "dataset",
+            "mat",
+            "draft_utilization",
+            "tokens_per_s",
+            "speedup_vs_ar",
+            "accepted_per_verified_draft",
+            "identical_to_ar",
+        ],
+    )
     print("\nms per decoding step, by phase (speedup vs ar = MAT x ar ms/step / ms/step):")
-    phases = [{"method": r["method"], "dataset": r["dataset"], **r["ms_per_step"],
-               "total": sum(r["ms_per_step"].values())} for r in results if r["ms_per_step"]]
-    print_table(phases, ["method", "dataset", "draft", "select", "verify_forward", "accept", "update_context",
-                         "bookkeeping", "total"])
+    phases = [
+        {"method": r["method"], "dataset": r["dataset"], **r["ms_per_step"], "total": sum(r["ms_per_step"].values())}
+        for r in results
+        if r["ms_per_step"]
+    ]
+    print_table(
+        phases,
+        ["method", "dataset", "draft", "select", "verify_forward", "accept", "update_context", "bookkeeping", "total"],
+    )
     return 0 if all(r["identical_to_ar"] for r in results) else 1
 
 
 def _verify_cost_command(args: argparse.Namespace) -> int:
-    from echo_vllm.bench.verify_cost import run_cli  # noqa: PLC0415 - torch/transformers only when this runs
+    from echo_vllm.bench.verify_cost import run_cli  # lazy: torch/transformers only when this runs
 
     return run_cli(args)
 
 
 def _ops_command(args: argparse.Namespace) -> int:
-    from echo_vllm.bench.ops import run_cli  # noqa: PLC0415 - torch and the compiled op only when this runs
+    from echo_vllm.bench.ops import run_cli  # lazy: torch and the compiled op only when this runs
 
     return run_cli(args)
 
@@ -149,8 +195,12 @@ def _add_vllm_args(parser: argparse.ArgumentParser, *, batch_sizes: str, limit: 
     parser.add_argument("--k-max", type=int, default=16, help="echo: batch-wide draft tokens verified per step")
     parser.add_argument("--top-k", type=int, default=1, help="echo: top_k (vLLM 0.32 verifies chains: 1)")
     parser.add_argument("--warmup-steps", type=int, default=16, help="echo: verification steps before gates apply")
-    parser.add_argument("--no-surplus-tail", dest="surplus_tail", action="store_false",
-                        help="echo: surplus_tail=false, cut at every closed gate even when the budget is idle")
+    parser.add_argument(
+        "--no-surplus-tail",
+        dest="surplus_tail",
+        action="store_false",
+        help="echo: surplus_tail=false, cut at every closed gate even when the budget is idle",
+    )
     parser.add_argument("--json", help="write results here")
 
 
@@ -169,11 +219,19 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     bhf.add_argument("--limit", type=int, default=10, help="prompts per dataset")
     bhf.add_argument("--max-tokens", type=int, default=96)
     bhf.add_argument("--depth", type=int, default=6, help="max draft depth")
-    bhf.add_argument("--echo-depth", type=int, default=None,
-                     help="depth ceiling of the gated methods (echo, dense, fixed); default --depth. Gates stop "
-                     "drafting early, so a deeper ceiling costs only where the head is confident")
-    bhf.add_argument("--surplus-width", choices=["all", "truncated"], default="all",
-                     help="echo.surplus_width: who Priority 2 may widen (docs/configuration.md)")
+    bhf.add_argument(
+        "--echo-depth",
+        type=int,
+        default=None,
+        help="depth ceiling of the gated methods (echo, dense, fixed); default --depth. Gates stop "
+        "drafting early, so a deeper ceiling costs only where the head is confident",
+    )
+    bhf.add_argument(
+        "--surplus-width",
+        choices=["all", "truncated"],
+        default="all",
+        help="echo.surplus_width: who Priority 2 may widen (docs/configuration.md)",
+    )
     bhf.add_argument("--k-max", type=int, default=16, help="verification budget (draft tokens per step)")
     bhf.add_argument("--top-k", type=int, default=4)
     bhf.add_argument("--warmup-steps", type=int, default=32)
@@ -193,20 +251,28 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
 
     bcost = bsub.add_parser("verify-cost", help="target forward time vs tokens verified: the knee to set K_max near")
     source = bcost.add_mutually_exclusive_group()
-    source.add_argument("--testbed", help="testbed dir whose target/ is timed (default $ECHO_TESTBED_DIR or "
-                        "~/.cache/echo-vllm/testbed)")
-    source.add_argument("--model", help="a local causal-LM directory (config.json + safetensors) to time instead, "
-                        "e.g. the served target if it fits on one device")
-    source.add_argument("--model-shape", choices=["llama-8b-slice"],
-                        help="random-weight model of this shape with few layers (see --layers) instead of the testbed")
+    source.add_argument(
+        "--testbed", help="testbed dir whose target/ is timed (default $ECHO_TESTBED_DIR or ~/.cache/echo-vllm/testbed)"
+    )
+    source.add_argument(
+        "--model",
+        help="a local causal-LM directory (config.json + safetensors) to time instead, "
+        "e.g. the served target if it fits on one device",
+    )
+    source.add_argument(
+        "--model-shape",
+        choices=["llama-8b-slice"],
+        help="random-weight model of this shape with few layers (see --layers) instead of the testbed",
+    )
     bcost.add_argument("--layers", type=int, default=None, help="--model-shape: decoder layers to build (default 2)")
     bcost.add_argument("--context", type=int, default=256, help="tokens already in the KV cache")
     bcost.add_argument("--max-tokens", type=int, default=512, help="largest T timed (T = 1, 2, 4, ... <= this)")
     bcost.add_argument("--repeats", type=int, default=5, help="timed forwards per T (the median is reported)")
     bcost.add_argument("--slack", type=float, default=0.5, help="knee = largest T with time <= (1 + slack) x T=1")
     bcost.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
-    bcost.add_argument("--dtype", default="auto", help="auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, "
-                       "float16")
+    bcost.add_argument(
+        "--dtype", default="auto", help="auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16"
+    )
     bcost.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     bcost.add_argument("--json", help="write results here")
     bcost.set_defaults(func=_verify_cost_command)

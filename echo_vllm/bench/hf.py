@@ -15,7 +15,7 @@ from echo_vllm.hf.engine import GATED, METHODS, EngineInputError, EngineOptions,
 
 
 def load_tokenizer(target_dir: Path):
-    from tokenizers import Tokenizer  # noqa: PLC0415
+    from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(target_dir / "tokenizer.json"))
 
@@ -25,9 +25,16 @@ def encode_prompts(tokenizer, prompts: list[str], max_prompt_tokens: int) -> lis
     return [enc.ids[-max_prompt_tokens:] for enc in tokenizer.encode_batch(prompts)]
 
 
-def run_methods_interleaved(root: Path, methods: list[str], settings: EchoSettings, depths: dict[str, int],
-                            prompts: list[list[int]], max_new_tokens: int, temperature: float,
-                            progress=None) -> dict[str, dict[str, Any]]:
+def run_methods_interleaved(
+    root: Path,
+    methods: list[str],
+    settings: EchoSettings,
+    depths: dict[str, int],
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    progress=None,
+) -> dict[str, dict[str, Any]]:
     """Every method on every prompt, prompt by prompt (ar, m1, m2, ... on prompt 1, then prompt 2, ...).
 
     On a shared machine the load drifts; interleaving gives every method the same mix of quiet and busy
@@ -36,8 +43,12 @@ def run_methods_interleaved(root: Path, methods: list[str], settings: EchoSettin
     built: dict[str, HFEngine] = {}
     first_spec = None
     for m in sorted(methods, key=lambda name: name == "ar"):  # a speculative engine first: ar shares its weights
-        built[m] = HFEngine(root / "target", root / "eagle3" if m != "ar" else None,
-                            EngineOptions(method=m, max_depth=depths[m], echo=settings), share_models_with=first_spec)
+        built[m] = HFEngine(
+            root / "target",
+            root / "eagle3" if m != "ar" else None,
+            EngineOptions(method=m, max_depth=depths[m], echo=settings),
+            share_models_with=first_spec,
+        )
         first_spec = first_spec or (built[m] if m != "ar" else None)
     engines = {m: built[m] for m in methods}
     runs = {m: {"outputs": [], "seconds": 0.0, "tokens": 0} for m in methods}
@@ -51,25 +62,36 @@ def run_methods_interleaved(root: Path, methods: list[str], settings: EchoSettin
         if progress is not None:
             progress.update(1)
     for method, engine in engines.items():
-        runs[method].update({
-            "metrics": engine.metrics.summary() if method != "ar" else {},
-            "ms_per_step": engine.phases.ms_per_step(),
-            "calibration": engine.calibration.to_json_dict() if engine.calibration else None,
-            "max_depth": depths[method],
-        })
+        runs[method].update(
+            {
+                "metrics": engine.metrics.summary() if method != "ar" else {},
+                "ms_per_step": engine.phases.ms_per_step(),
+                "calibration": engine.calibration.to_json_dict() if engine.calibration else None,
+                "max_depth": depths[method],
+            }
+        )
     return runs
 
 
-def bench_hf(root: Path, methods: list[str], datasets: list[str], limit: int, max_new_tokens: int,
-             settings: EchoSettings, max_depth: int, temperature: float = 0.0,
-             json_path: str | None = None, gated_depth: int | None = None) -> list[dict[str, Any]]:
-    from echo_vllm.bench.datasets import load_prompts  # noqa: PLC0415
+def bench_hf(
+    root: Path,
+    methods: list[str],
+    datasets: list[str],
+    limit: int,
+    max_new_tokens: int,
+    settings: EchoSettings,
+    max_depth: int,
+    temperature: float = 0.0,
+    json_path: str | None = None,
+    gated_depth: int | None = None,
+) -> list[dict[str, Any]]:
+    from echo_vllm.bench.datasets import load_prompts
 
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise EngineInputError(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
     try:
-        from tqdm import tqdm  # noqa: PLC0415
+        from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm is in the bench extra
         tqdm = None
     tokenizer = load_tokenizer(root / "target")
@@ -88,26 +110,38 @@ def bench_hf(root: Path, methods: list[str], datasets: list[str], limit: int, ma
             run = runs[method]
             m = run["metrics"]
             tps = run["tokens"] / run["seconds"]
-            results.append({
-                "method": method,
-                "dataset": dataset,
-                "batch_size": 1,
-                "max_depth": run["max_depth"] if method != "ar" else None,
-                "mat": m.get("mat", 1.0),
-                "draft_utilization": m.get("utilization"),
-                "mean_depth_drafted": m.get("mean_depth"),
-                "tokens_per_s": tps,
-                "speedup_vs_ar": tps / ar_tps,
-                "accepted_per_verified_draft": m.get("accepted_per_verified_draft"),
-                "budget_used": m.get("budget_used"),
-                "identical_to_ar": run["outputs"] == ar["outputs"],
-                "sweet_spots": (run["calibration"] or {}).get("gated"),
-                # Where a decoding step's time goes (ar: one target forward per token).
-                "ms_per_step": run["ms_per_step"],
-            })
+            results.append(
+                {
+                    "method": method,
+                    "dataset": dataset,
+                    "batch_size": 1,
+                    "max_depth": run["max_depth"] if method != "ar" else None,
+                    "mat": m.get("mat", 1.0),
+                    "draft_utilization": m.get("utilization"),
+                    "mean_depth_drafted": m.get("mean_depth"),
+                    "tokens_per_s": tps,
+                    "speedup_vs_ar": tps / ar_tps,
+                    "accepted_per_verified_draft": m.get("accepted_per_verified_draft"),
+                    "budget_used": m.get("budget_used"),
+                    "identical_to_ar": run["outputs"] == ar["outputs"],
+                    "sweet_spots": (run["calibration"] or {}).get("gated"),
+                    # Where a decoding step's time goes (ar: one target forward per token).
+                    "ms_per_step": run["ms_per_step"],
+                }
+            )
     if json_path:
-        report.write_text(json_path, json.dumps({"settings": settings.model_dump(), "max_depth": max_depth,
-                                               "gated_depth": gated_depth or max_depth,
-                                               "max_new_tokens": max_new_tokens, "results": results}, indent=2) + "\n")
+        report.write_text(
+            json_path,
+            json.dumps(
+                {
+                    "settings": settings.model_dump(),
+                    "max_depth": max_depth,
+                    "gated_depth": gated_depth or max_depth,
+                    "max_new_tokens": max_new_tokens,
+                    "results": results,
+                },
+                indent=2,
+            )
+            + "\n",
+        )
     return results
-

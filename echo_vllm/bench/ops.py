@@ -105,7 +105,7 @@ def _same(a, b) -> bool:
 
 
 def run(devices: list[str], batches=BATCHES, nodes=NODES, warmup: int = 3, repeats: int = 20, min_seconds: float = 0.2):
-    from echo_vllm.ops import op_available  # noqa: PLC0415
+    from echo_vllm.ops import op_available
 
     results = []
     for device in devices:
@@ -139,8 +139,16 @@ WIDTHS = (6, 5, 5, 14, 10, 10, 9, 8)
 
 def _format_row(row: dict) -> str:
     graph = f"{row['op_graph_us']:.1f}" if row.get("op_graph_us") is not None else "-"
-    cells = (row["device"], str(row["B"]), str(row["N"]), f"{row['reference_us']:.1f}", f"{row['op_us']:.1f}", graph,
-             f"{row['ratio']:.1f}x", "ok" if row["match"] else "MISMATCH")
+    cells = (
+        row["device"],
+        str(row["B"]),
+        str(row["N"]),
+        f"{row['reference_us']:.1f}",
+        f"{row['op_us']:.1f}",
+        graph,
+        f"{row['ratio']:.1f}x",
+        "ok" if row["match"] else "MISMATCH",
+    )
     return report.format_row(cells, WIDTHS, align=">", sep=" ")
 
 
@@ -148,7 +156,7 @@ def run_cli(args: argparse.Namespace) -> int:
     """`echo-vllm bench ops` (arguments in echo_vllm.bench.cli)."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    from echo_vllm.device import cuda_available  # noqa: PLC0415
+    from echo_vllm.device import cuda_available
 
     devices = args.devices.split(",") if args.devices else ["cpu"] + (["cuda"] if cuda_available() else [])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads")

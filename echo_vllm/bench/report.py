@@ -21,8 +21,9 @@ def format_row(cells: Sequence[str], widths: Sequence[int], *, align: str = "<",
     return sep.join(f"{cell:{align}{width}}" for cell, width in zip(cells, widths, strict=True))
 
 
-def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], *, headers: Sequence[str] | None = None,
-                 align: str = "<") -> str:
+def format_table(
+    rows: Sequence[dict[str, Any]], columns: Sequence[str], *, headers: Sequence[str] | None = None, align: str = "<"
+) -> str:
     """Header + one line per row, every column as wide as its widest cell."""
     headers = list(columns if headers is None else headers)
     cells = [[format_cell(row.get(c)) for c in columns] for row in rows]
@@ -39,5 +40,6 @@ def write_text(path: str | Path, text: str, what: str = "--json") -> None:
     try:
         Path(path).write_text(text)
     except OSError as err:
-        raise InputError(f"{what} {path}: cannot be written ({err.strerror}); give a path in a writable directory"
-                         ) from None
+        raise InputError(
+            f"{what} {path}: cannot be written ({err.strerror}); give a path in a writable directory"
+        ) from None

@@ -134,7 +134,7 @@ def find_knee(
 
 def resolve_device(device: str | None) -> torch.device:
     if device in (None, "auto"):
-        from echo_vllm.device import cuda_available  # noqa: PLC0415
+        from echo_vllm.device import cuda_available
 
         return torch.device("cuda" if cuda_available() else "cpu")
     return torch.device(device)
@@ -152,7 +152,7 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 def load_target(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """A local causal LM (config.json + safetensors only)."""
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM
 
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
@@ -165,7 +165,7 @@ def build_model_shape(
     name: str, dtype: torch.dtype, device: torch.device, layers: int | None = None, seed: int = 0
 ) -> tuple[torch.nn.Module, dict[str, Any]]:
     """(random-weight LlamaForCausalLM of the named shape with `layers` decoder layers, its MODEL_SHAPES entry)."""
-    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     if name not in MODEL_SHAPES:
         raise KneeInputError(f"--model-shape: unknown {name!r}; choose from {', '.join(MODEL_SHAPES)}")
@@ -217,7 +217,7 @@ def measure_verify_cost(
     Returns one row per T (ascending): tokens, median_ms (per forward), ms_per_token (= median_ms / T), min_ms,
     repeats; with `time_head` also head_ms (median time of final norm + LM head alone on T hidden states).
     """
-    from transformers import DynamicCache  # noqa: PLC0415
+    from transformers import DynamicCache
 
     counts = sorted({int(t) for t in token_counts})
     if not counts or counts[0] < 1 or any(isinstance(t, bool) for t in token_counts):
@@ -253,8 +253,9 @@ def measure_verify_cost(
         for i in range(warmup + repeats):
             _sync(device)
             start = time.perf_counter()
-            out = model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
-                        use_cache=True)
+            out = model(
+                input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True
+            )
             _ = out.logits  # every position's logits, as verification needs
             _sync(device)
             elapsed = (time.perf_counter() - start) * 1e3
@@ -263,8 +264,13 @@ def measure_verify_cost(
             if i >= warmup:
                 times.append(elapsed)
         median = statistics.median(times)
-        row = {"tokens": tokens, "median_ms": median, "ms_per_token": median / tokens, "min_ms": min(times),
-               "repeats": repeats}
+        row = {
+            "tokens": tokens,
+            "median_ms": median,
+            "ms_per_token": median / tokens,
+            "min_ms": min(times),
+            "repeats": repeats,
+        }
         if time_head:
             row["head_ms"] = _time_head(model, tokens, repeats, warmup, device)
         rows.append(row)
@@ -302,17 +308,22 @@ def add_full_model_estimate(rows: list[dict[str, Any]], layers: int, full_layers
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The printed table: T, ms per forward, ms per token, ratio to T = 1 (and the slice's head/estimate)."""
     base = rows[0]["median_ms"]
-    columns = [("T", "tokens", "{:d}"), ("ms/forward", "median_ms", "{:.3f}"), ("ms/token", "ms_per_token", "{:.4f}"),
-               ("x T=1", None, "{:.2f}")]
+    columns = [
+        ("T", "tokens", "{:d}"),
+        ("ms/forward", "median_ms", "{:.3f}"),
+        ("ms/token", "ms_per_token", "{:.4f}"),
+        ("x T=1", None, "{:.2f}"),
+    ]
     if rows and "est_full_ms" in rows[0]:
         columns += [("head ms", "head_ms", "{:.3f}"), ("est. full ms", "est_full_ms", "{:.3f}")]
-    cells = [{h: fmt.format(row["median_ms"] / base if key is None else row[key]) for h, key, fmt in columns}
-             for row in rows]
+    cells = [
+        {h: fmt.format(row["median_ms"] / base if key is None else row[key]) for h, key, fmt in columns} for row in rows
+    ]
     return report.format_table(cells, [h for h, _, _ in columns], align=">")
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from echo_vllm.testbed.paths import TestbedError, testbed_dir  # noqa: PLC0415
+    from echo_vllm.testbed.paths import TestbedError, testbed_dir
 
     if args.repeats < 1:
         raise KneeInputError(f"--repeats must be >= 1; got {args.repeats}")
@@ -361,15 +372,21 @@ def run_cli(args: argparse.Namespace) -> int:
         result["layers"] = shape["layers"]
         result["full_layers"] = shape["full_layers"]
         result["knee_full_estimate"] = find_knee(rows, args.slack, key="est_full_ms")
-    print(f"verification cost: {source}; device {result['device']}, {result['dtype']}, context {args.context}, "
-          f"median of {args.repeats}")
+    print(
+        f"verification cost: {source}; device {result['device']}, {result['dtype']}, context {args.context}, "
+        f"median of {args.repeats}"
+    )
     print(format_table(rows))
     print(f"knee (largest T with ms/forward <= {1 + args.slack:g} x T=1): T = {knee}")
     if shape is not None:
-        print(f"knee of the full-model estimate ({shape['full_layers']} layers; head + body x "
-              f"{shape['full_layers']}/{shape['layers']}): T = {result['knee_full_estimate']}")
-    print("K_max counts draft tokens over the whole batch: at batch size B a step verifies B + sum K_i tokens, "
-          "so K_max ~= knee - B (docs/tuning.md)")
+        print(
+            f"knee of the full-model estimate ({shape['full_layers']} layers; head + body x "
+            f"{shape['full_layers']}/{shape['layers']}): T = {result['knee_full_estimate']}"
+        )
+    print(
+        "K_max counts draft tokens over the whole batch: at batch size B a step verifies B + sum K_i tokens, "
+        "so K_max ~= knee - B (docs/tuning.md)"
+    )
     if args.json:
         report.write_text(args.json, json.dumps(result, indent=2) + "\n")
     return 0

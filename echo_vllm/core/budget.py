@@ -181,8 +181,14 @@ def add_surplus_tails(selection: BudgetSelection, tree: DraftTree, gates: Gates,
     scores, depth = tree.scores, tree.depth
     batch, num_nodes = scores.shape
     leftover = (k_max - selection.counts.sum(dtype=torch.int64)).clamp(min=0)
-    tail = (tree.valid & tree.spine & gates.truncated.unsqueeze(1) & (depth > gates.depth_cap.unsqueeze(1))
-            & ~torch.isnan(scores) & ~selection.selected)
+    tail = (
+        tree.valid
+        & tree.spine
+        & gates.truncated.unsqueeze(1)
+        & (depth > gates.depth_cap.unsqueeze(1))
+        & ~torch.isnan(scores)
+        & ~selection.selected
+    )
     # Tails are class 0 here, everything else class 1; +0.0 folds -0.0 as in the selection.
     rank = total_order_rank((~tail).reshape(-1).to(torch.int32), (scores + 0.0).reshape(-1), depth.reshape(-1))
     take = tail & (rank.reshape(batch, num_nodes) < leftover)

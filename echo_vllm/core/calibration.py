@@ -322,8 +322,9 @@ class CalibrationFile(BaseModel):
             value = getattr(self, key)
             if len(value) != self.max_depth:
                 raise PydanticCustomError(
-                    "calibration", f"field {key!r} must be a list of max_depth={self.max_depth} entries, "
-                    f"got length {len(value)}")
+                    "calibration",
+                    f"field {key!r} must be a list of max_depth={self.max_depth} entries, got length {len(value)}",
+                )
         for d, (g, t) in enumerate(zip(self.gated, self.tau, strict=True)):
             if g and t is None:
                 raise PydanticCustomError("calibration", f"field 'tau' is null at depth {d + 1}, which is gated")
@@ -349,9 +350,11 @@ def _validate(data: Any, source: str, fix: str = "fix the value") -> None:
     try:
         CalibrationFile.model_validate(data)
     except ValidationError as err:
-        first = {}  # one problem per field: a wrong list of 4000 entries is one line, not 4000
+        first: dict[
+            tuple[Any, ...], str
+        ] = {}  # one problem per field: a wrong list of 4000 entries is one line, not 4000
         for problem in err.errors():
-            first.setdefault(problem["loc"][:1], _format_problem(problem))
+            first.setdefault(tuple(problem["loc"][:1]), _format_problem(dict(problem)))
         raise CalibrationError(f"{source}: {'; '.join(first.values())}; {fix}") from None
 
 

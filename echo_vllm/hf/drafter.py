@@ -77,8 +77,9 @@ class Eagle3TreeDrafter:
         tree_mask = torch.cat([anc, own], dim=2)
         ctx_len = self.ctx_k.shape[2]
         mask = torch.cat([torch.ones(batch, width, ctx_len, dtype=torch.bool), tree_mask], dim=2)
-        logits, prenorm = head.finish(q, torch.cat([self.ctx_k, tree_k], dim=2), torch.cat([self.ctx_v, tree_v], dim=2),
-                                      mask, residual)
+        logits, prenorm = head.finish(
+            q, torch.cat([self.ctx_k, tree_k], dim=2), torch.cat([self.ctx_v, tree_v], dim=2), mask, residual
+        )
         self.tree_k, self.tree_v = tree_k, tree_v
         self.last_prenorm = prenorm
         self.last_anc = tree_mask

@@ -113,8 +113,14 @@ class HFEngine:
     """One method on the HF target. Decoding runs under torch.inference_mode (no autograd bookkeeping at all,
     a few percent on this CPU for every method alike)."""
 
-    def __init__(self, target_dir: str | Path, head_dir: str | Path | None, options: EngineOptions,
-                 dtype: torch.dtype = torch.float32, share_models_with: HFEngine | None = None):
+    def __init__(
+        self,
+        target_dir: str | Path,
+        head_dir: str | Path | None,
+        options: EngineOptions,
+        dtype: torch.dtype = torch.float32,
+        share_models_with: HFEngine | None = None,
+    ):
         """`share_models_with`: reuse that engine's target and head weights (the benchmark runs several methods
         prompt by prompt; one copy of the weights keeps them warm in the CPU caches for all). Engines that share
         must not generate concurrently: the target's KV cache is shared too, and every prompt starts by resetting
@@ -153,8 +159,9 @@ class HFEngine:
             self.recorder = CalibrationRecorder(self.max_depth)
             path = settings.calibration_file
             if path and Path(path).is_file():
-                self.calibration = Calibration.load(path, expected_max_depth=self.max_depth,
-                                                    expected_mode=spec.gate_mode)
+                self.calibration = Calibration.load(
+                    path, expected_max_depth=self.max_depth, expected_mode=spec.gate_mode
+                )
 
     # ---- one verification step -----------------------------------------------------------------------------
 
@@ -172,14 +179,14 @@ class HFEngine:
             return
         if self.recorder.num_steps < settings.warmup_steps:
             return
-        self.calibration = calibrate(self.recorder, self.spec.gate_mode, settings.delta,
-                                     settings.min_samples_per_class)
+        self.calibration = calibrate(self.recorder, self.spec.gate_mode, settings.delta, settings.min_samples_per_class)
         if settings.calibration_file:
             self.calibration.save(settings.calibration_file)
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
-                 seed: int = 0) -> GenerationResult:
+    def generate(
+        self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int = 0
+    ) -> GenerationResult:
         if not prompt_ids:
             raise EngineInputError("prompt: empty prompt; give at least one token")
         if max_new_tokens < 1:
@@ -278,8 +285,7 @@ class HFEngine:
         keep_rows = torch.cat([torch.zeros(1, dtype=torch.long), accepted_local + 1])
         self.target.keep_path(base, keep_rows)
         new_aux = aux[:, keep_rows]
-        self.drafter.extend_context(new_aux, torch.tensor([emitted]),
-                                    (base + torch.arange(accepted + 1)).unsqueeze(0))
+        self.drafter.extend_context(new_aux, torch.tensor([emitted]), (base + torch.arange(accepted + 1)).unsqueeze(0))
         clock = self.phases.add("update_context", clock)
         self.metrics.update(sel, result, self.k_max, depth_cap=gates.depth_cap, truncated=gates.truncated)
         if self.recorder is not None and self.calibration is None:

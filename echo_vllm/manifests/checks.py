@@ -373,5 +373,3 @@ def _port_matches(ref: Any, port: int, container: dict) -> bool:
     if isinstance(ref, str) and not ref.isdigit():
         return any(p.get("name") == ref and p.get("containerPort") == port for p in container.get("ports") or [])
     return _int(ref) == port
-
-

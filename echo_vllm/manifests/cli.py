@@ -15,9 +15,9 @@ from typing import Any
 
 
 def _check(args: argparse.Namespace) -> int:
-    from echo_vllm.manifests.checks import check_rendered  # noqa: PLC0415
-    from echo_vllm.manifests.render import DeployCheckError, render  # noqa: PLC0415
-    from echo_vllm.manifests.schemas import DEFAULT_K8S_VERSION, validate_schemas  # noqa: PLC0415
+    from echo_vllm.manifests.checks import check_rendered
+    from echo_vllm.manifests.render import DeployCheckError, render
+    from echo_vllm.manifests.schemas import DEFAULT_K8S_VERSION, validate_schemas
 
     problems = []
     for directory in args.dirs:
@@ -36,8 +36,8 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _echo_json(args: argparse.Namespace) -> int:
-    from echo_vllm.config import EchoConfigError, load_json_or_path  # noqa: PLC0415
-    from echo_vllm.manifests.checks import check_speculative_config  # noqa: PLC0415
+    from echo_vllm.config import EchoConfigError, load_json_or_path
+    from echo_vllm.manifests.checks import check_speculative_config
 
     try:
         problems = check_speculative_config(load_json_or_path(args.value), args.value)
@@ -47,7 +47,7 @@ def _echo_json(args: argparse.Namespace) -> int:
 
 
 def _ray_gpus(args: argparse.Namespace) -> int:
-    from echo_vllm.manifests.ray_cluster import ray_gpus  # noqa: PLC0415
+    from echo_vllm.manifests.ray_cluster import ray_gpus
 
     try:
         have = ray_gpus(args.address)
@@ -69,15 +69,23 @@ def _report(problems: list[str]) -> int:
 def add_subcommand(sub: Any) -> None:
     deploy = sub.add_parser("deploy", help="check deploy/ manifests, an echo.json, or a Ray cluster's GPUs")
     dsub = deploy.add_subparsers(dest="deploy_command", required=True)
-    p_check = dsub.add_parser("check", help="render kustomization dirs and run every check (kustomize, pyyaml, "
-                              "kubernetes-validate: the test extra; the overlays ship in a checkout's deploy/)")
+    p_check = dsub.add_parser(
+        "check",
+        help="render kustomization dirs and run every check (kustomize, pyyaml, "
+        "kubernetes-validate: the test extra; the overlays ship in a checkout's deploy/)",
+    )
     p_check.add_argument("dirs", nargs="+")
-    p_check.add_argument("--k8s-version", help="Kubernetes version of the schemas (default: "
-                         "echo_vllm.manifests.schemas.DEFAULT_K8S_VERSION)")
+    p_check.add_argument(
+        "--k8s-version",
+        help="Kubernetes version of the schemas (default: echo_vllm.manifests.schemas.DEFAULT_K8S_VERSION)",
+    )
     p_check.add_argument("--no-schemas", action="store_true", help="skip schema validation")
     p_check.set_defaults(func=_check)
-    p_echo = dsub.add_parser("echo-json", help="validate an echo.json (a path or a JSON string) as a manifest: the "
-                             "head must be a path, the files are not looked at")
+    p_echo = dsub.add_parser(
+        "echo-json",
+        help="validate an echo.json (a path or a JSON string) as a manifest: the "
+        "head must be a path, the files are not looked at",
+    )
     p_echo.add_argument("value")
     p_echo.set_defaults(func=_echo_json)
     p_ray = dsub.add_parser("ray-gpus", help="fail unless the Ray cluster has at least --need GPUs")

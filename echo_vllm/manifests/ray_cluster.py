@@ -19,7 +19,7 @@ def _gcs_address(address: str) -> str | None:
 def ray_gpus(address: str = "auto", connect_timeout: float = 10.0) -> float:
     """Total GPUs that the Ray cluster at `address` reports. Fails fast when nothing listens there (ray.init
     itself keeps retrying for minutes)."""
-    import socket  # noqa: PLC0415
+    import socket
 
     gcs = _gcs_address(address)
     if gcs is None:
@@ -30,7 +30,7 @@ def ray_gpus(address: str = "auto", connect_timeout: float = 10.0) -> float:
     except (OSError, ValueError) as err:
         raise ConnectionError(f"nothing answers at {gcs}: {err}") from None
 
-    import ray  # noqa: PLC0415
+    import ray
 
     ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     try:

@@ -58,7 +58,7 @@ def kustomize_version(prefix: list[str]) -> str:
 
 def render(directory: str | Path, prefix: list[str] | None = None) -> list[Resource]:
     """`kubectl kustomize DIR` parsed into a list of resources."""
-    import yaml  # noqa: PLC0415
+    import yaml
 
     prefix = prefix or find_kustomize()
     if prefix is None:

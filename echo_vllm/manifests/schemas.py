@@ -65,7 +65,7 @@ def _check_lws_structure(lws: Resource) -> list[str]:
 
 def validate_schemas(resources: list[Resource], k8s_version: str = DEFAULT_K8S_VERSION) -> list[str]:
     """Strict JSON-schema validation of every resource (kubernetes-validate's bundled schemas, offline)."""
-    import kubernetes_validate  # noqa: PLC0415
+    import kubernetes_validate
 
     def one(obj: Resource, label: str) -> list[str]:
         try:

@@ -96,8 +96,9 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
     return emb.cos(), emb.sin()
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float,
-               table: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, positions: torch.Tensor, theta: float, table: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> torch.Tensor:
     """Neox-style rotary embedding, as Llama; x [B, heads, T, hd], positions [B, T].
 
     `table` = rope_cos_sin(arange(P)) looks the angles up instead of recomputing them (the same float32 values:
@@ -179,8 +180,15 @@ class Eagle3Head(nn.Module):
         k = apply_rope(k, positions, cfg.rope_theta, table)
         return q, k, v, hidden
 
-    def finish(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-               residual: torch.Tensor, last_logits_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def finish(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor,
+        residual: torch.Tensor,
+        last_logits_only: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention over (keys, values) with a boolean mask [B, T, S], then MLP.
 
         Returns (logits [B, T, V], prenorm hidden [B, T, H]: the next draft step's hidden input). With
@@ -290,7 +298,16 @@ def config_from_hf(hf: dict) -> Eagle3Config:
 def init_head_weights(head: Eagle3Head, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for module in (head.fc, head.q_proj, head.k_proj, head.v_proj, head.o_proj, head.gate_proj, head.up_proj,
-                       head.down_proj, head.lm_head):
+        for module in (
+            head.fc,
+            head.q_proj,
+            head.k_proj,
+            head.v_proj,
+            head.o_proj,
+            head.gate_proj,
+            head.up_proj,
+            head.down_proj,
+            head.lm_head,
+        ):
             fan_in = module.weight.shape[1]
             module.weight.normal_(0.0, 1.0 / math.sqrt(fan_in), generator=gen)

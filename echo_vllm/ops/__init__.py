@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -18,15 +19,21 @@ from echo_vllm.core.budget import BudgetSelection, select_budget_reference
 from echo_vllm.core.gating import Gates
 from echo_vllm.core.tree import DraftTree
 
-__all__ = ["BudgetSelection", "active_implementation", "op_available", "select_budget", "select_budget_flat",
-           "select_eagle2"]
+__all__ = [
+    "BudgetSelection",
+    "active_implementation",
+    "op_available",
+    "select_budget",
+    "select_budget_flat",
+    "select_eagle2",
+]
 
 _LOG = logging.getLogger("echo_vllm")
 
-_C = None
+_C: Any = None
 _LOAD_ERROR: str | None = None
 try:
-    from echo_vllm import _C  # noqa: F811 - loads libtorch ops into torch.ops.echo
+    from echo_vllm import _C  # type: ignore[attr-defined,no-redef,unused-ignore]  # a .so (csrc), absent until built
 except ImportError as exc:  # not built, or built against another torch (undefined symbol)
     _LOAD_ERROR = f"echo_vllm._C is not importable ({exc}); build it with `pip install --no-build-isolation -e .`"
 else:
@@ -71,12 +78,14 @@ def _log_fallback(device: torch.device) -> None:
     _LOG.warning("echo::select_budget fallback active on %s: using the torch reference (%s)", device.type, why)
 
 
-def select_budget(tree: DraftTree, gates: Gates, k_max: int, *, out: Sequence[torch.Tensor] | None = None
-                  ) -> BudgetSelection:
+def select_budget(
+    tree: DraftTree, gates: Gates, k_max: int, *, out: Sequence[torch.Tensor] | None = None
+) -> BudgetSelection:
     """ECHO's batch-wide budget over `tree` under `gates`: depth for the spines (Priority 1), then width for the
     requests `gates.widen` allows (Priority 2); the first K_max nodes of the whole batch in that order."""
-    return select_budget_flat(tree.scores, tree.depth, tree.parent, tree.valid, tree.spine, gates.depth_cap,
-                              gates.widen, k_max, out=out)
+    return select_budget_flat(
+        tree.scores, tree.depth, tree.parent, tree.valid, tree.spine, gates.depth_cap, gates.widen, k_max, out=out
+    )
 
 
 def select_eagle2(tree: DraftTree, k_max: int) -> BudgetSelection:
@@ -84,8 +93,9 @@ def select_eagle2(tree: DraftTree, k_max: int) -> BudgetSelection:
     gates, no spine priority), i.e. every valid node is a class-0 candidate and every depth cap is D."""
     batch, _ = tree.scores.shape
     gates = Gates.open(batch, tree.max_depth, tree.scores.device)
-    return select_budget_flat(tree.scores, tree.depth, tree.parent, tree.valid, tree.valid, gates.depth_cap,
-                              gates.widen, k_max)
+    return select_budget_flat(
+        tree.scores, tree.depth, tree.parent, tree.valid, tree.valid, gates.depth_cap, gates.widen, k_max
+    )
 
 
 def select_budget_flat(

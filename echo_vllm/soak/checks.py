@@ -80,14 +80,16 @@ def is_idle(gauges: dict[str, float | None], idle_kv: float | None) -> bool:
 
 def probe_health(http: Any, base_url: str, model: str) -> tuple[int | None, int | None, str]:
     """(/health status, status of a small completion, its text); None for a status that never came."""
-    import httpx  # noqa: PLC0415
+    import httpx
 
     health = completion = None
     text = ""
     try:
         health = http.get(f"{base_url}/health").status_code
-        resp = http.post(f"{base_url}/v1/completions",
-                         json={"model": model, "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0})
+        resp = http.post(
+            f"{base_url}/v1/completions",
+            json={"model": model, "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0},
+        )
         completion = resp.status_code
         if completion == 200:
             text = resp.json()["choices"][0]["text"]
@@ -118,8 +120,12 @@ def last_echo_stats(log_path: Path) -> dict[str, Any] | None:
         stats["calibration"] = calibration.group(1)
     paren = re.search(r"\(mean sum ([\d.]+) / k_max (\d+), max sum (\d+), bound steps (\d+)\)", line)
     if paren:
-        stats.update(mean_step_sum=float(paren.group(1)), k_max=int(paren.group(2)),
-                     max_step_sum=int(paren.group(3)), budget_bound_steps=int(paren.group(4)))
+        stats.update(
+            mean_step_sum=float(paren.group(1)),
+            k_max=int(paren.group(2)),
+            max_step_sum=int(paren.group(3)),
+            budget_bound_steps=int(paren.group(4)),
+        )
     return stats
 
 
@@ -178,8 +184,10 @@ def check_health(health: int | None, completion: int | None, text: str) -> Check
 def check_accounting(results: list[RequestResult]) -> Check:
     counts = Counter(r.outcome for r in results)
     accounted = counts[COMPLETED] + counts[CLIENT_CANCELLED] + counts[HOSTILE_4XX]
-    detail = (f"sent {len(results)} = completed {counts[COMPLETED]} + client-cancelled {counts[CLIENT_CANCELLED]} "
-              f"+ hostile-4xx {counts[HOSTILE_4XX]} (+ errors {counts[ERROR]})")
+    detail = (
+        f"sent {len(results)} = completed {counts[COMPLETED]} + client-cancelled {counts[CLIENT_CANCELLED]} "
+        f"+ hostile-4xx {counts[HOSTILE_4XX]} (+ errors {counts[ERROR]})"
+    )
     return Check("no request lost or failed", accounted == len(results) and counts[ERROR] == 0, detail)
 
 
@@ -193,16 +201,19 @@ def check_hostile(results: list[RequestResult]) -> Check:
 
 
 def check_idle(gauges: dict[str, float | None], idle_kv: float | None, waited_s: float) -> Check:
-    detail = (f"running {gauges.get(RUNNING)}, waiting {gauges.get(WAITING)}, KV usage {gauges.get(KV_USAGE)} "
-              f"(idle {idle_kv}) after {waited_s:.1f} s settle")
+    detail = (
+        f"running {gauges.get(RUNNING)}, waiting {gauges.get(WAITING)}, KV usage {gauges.get(KV_USAGE)} "
+        f"(idle {idle_kv}) after {waited_s:.1f} s settle"
+    )
     return Check("engine idle after soak", is_idle(gauges, idle_kv), detail)
 
 
 def check_memory(before: int, after: int, bound: int) -> Check:
     growth = after - before
     mib = 1 << 20
-    detail = (f"{before / mib:.0f} -> {after / mib:.0f} MiB (growth {growth / mib:+.0f} MiB, "
-              f"bound {bound / mib:.0f} MiB)")
+    detail = (
+        f"{before / mib:.0f} -> {after / mib:.0f} MiB (growth {growth / mib:+.0f} MiB, bound {bound / mib:.0f} MiB)"
+    )
     return Check("server memory growth bounded", growth < bound, detail)
 
 
@@ -220,8 +231,10 @@ def check_plateau(timeline: list[tuple[float, int]], bound: int, min_span_s: flo
     span = timeline[-1][0] if timeline else 0.0
     if growth is None or span < min_span_s:
         return Check(name, True, f"not checked: {span:.0f} s of samples, needs {min_span_s:.0f} s")
-    detail = f"growth over the last {span - timeline[len(timeline) // 2][0]:.0f} s {growth / (1 << 20):+.0f} MiB " \
-             f"(bound {bound / (1 << 20):.0f} MiB)"
+    detail = (
+        f"growth over the last {span - timeline[len(timeline) // 2][0]:.0f} s {growth / (1 << 20):+.0f} MiB "
+        f"(bound {bound / (1 << 20):.0f} MiB)"
+    )
     return Check(name, growth < bound, detail)
 
 
@@ -240,6 +253,8 @@ def check_echo_stats(stats: dict[str, Any] | None, k_max: int) -> Check:
         return Check("ECHO active, budget held", False, "no `ECHO stats:` line in the server log")
     max_sum = stats.get("max_step_sum")
     ok = isinstance(max_sum, int) and max_sum <= k_max and stats.get("k_max") == k_max
-    detail = (f"max step sum {max_sum} <= k_max {stats.get('k_max')}, bound steps {stats.get('budget_bound_steps')}, "
-              f"steps {stats.get('steps')}")
+    detail = (
+        f"max step sum {max_sum} <= k_max {stats.get('k_max')}, bound steps {stats.get('budget_bound_steps')}, "
+        f"steps {stats.get('steps')}"
+    )
     return Check("ECHO active, budget held", ok, detail)

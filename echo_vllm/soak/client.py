@@ -108,8 +108,9 @@ def _judge_complete(result: RequestResult, spec: RequestSpec) -> None:
 
 
 async def _send_plain(http: Any, base_url: str, spec: RequestSpec, result: RequestResult) -> None:
-    resp = await http.post(base_url + spec.endpoint, content=spec.payload(),
-                           headers={"Content-Type": "application/json"})
+    resp = await http.post(
+        base_url + spec.endpoint, content=spec.payload(), headers={"Content-Type": "application/json"}
+    )
     result.status = resp.status_code
     if spec.hostile or resp.status_code != 200:
         return _judge_error_status(result, spec, resp.content)
@@ -121,8 +122,9 @@ async def _send_plain(http: Any, base_url: str, spec: RequestSpec, result: Reque
 
 
 async def _send_stream(http: Any, base_url: str, spec: RequestSpec, result: RequestResult) -> None:
-    async with http.stream("POST", base_url + spec.endpoint, content=spec.payload(),
-                           headers={"Content-Type": "application/json"}) as resp:
+    async with http.stream(
+        "POST", base_url + spec.endpoint, content=spec.payload(), headers={"Content-Type": "application/json"}
+    ) as resp:
         result.status = resp.status_code
         if spec.hostile or resp.status_code != 200:
             return _judge_error_status(result, spec, await resp.aread())
@@ -130,7 +132,7 @@ async def _send_stream(http: Any, base_url: str, spec: RequestSpec, result: Requ
         async for line in resp.aiter_lines():
             if not line.startswith("data: "):
                 continue
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             if data == "[DONE]":
                 done = True
                 break
@@ -163,7 +165,7 @@ def _judge_error_status(result: RequestResult, spec: RequestSpec, body: bytes) -
 
 
 async def send_one(http: Any, base_url: str, spec: RequestSpec) -> RequestResult:
-    import httpx  # noqa: PLC0415
+    import httpx
 
     result = RequestResult(index=spec.index, label=spec.label, outcome=ERROR, status=None, latency_s=0.0)
     t0 = time.monotonic()
@@ -180,9 +182,10 @@ async def send_one(http: Any, base_url: str, spec: RequestSpec) -> RequestResult
     return result
 
 
-async def run_traffic(base_url: str, specs: list[RequestSpec], *, concurrency: int, duration_s: float | None,
-                      request_timeout_s: float) -> TrafficRun:
-    import httpx  # noqa: PLC0415
+async def run_traffic(
+    base_url: str, specs: list[RequestSpec], *, concurrency: int, duration_s: float | None, request_timeout_s: float
+) -> TrafficRun:
+    import httpx
 
     queue: asyncio.Queue[RequestSpec] = asyncio.Queue()
     for spec in specs:
@@ -202,7 +205,16 @@ async def run_traffic(base_url: str, specs: list[RequestSpec], *, concurrency: i
     return TrafficRun(results=results, not_sent=queue.qsize(), wall_s=time.monotonic() - t0)
 
 
-def run_traffic_sync(base_url: str, specs: list[RequestSpec], *, concurrency: int, duration_s: float | None = None,
-                     request_timeout_s: float = 300.0) -> TrafficRun:
-    return asyncio.run(run_traffic(base_url, specs, concurrency=concurrency, duration_s=duration_s,
-                                   request_timeout_s=request_timeout_s))
+def run_traffic_sync(
+    base_url: str,
+    specs: list[RequestSpec],
+    *,
+    concurrency: int,
+    duration_s: float | None = None,
+    request_timeout_s: float = 300.0,
+) -> TrafficRun:
+    return asyncio.run(
+        run_traffic(
+            base_url, specs, concurrency=concurrency, duration_s=duration_s, request_timeout_s=request_timeout_s
+        )
+    )

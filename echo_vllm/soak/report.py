@@ -56,8 +56,11 @@ def _hostile_statuses(results: list[RequestResult]) -> dict[str, list[int | None
 
 
 def error_samples(results: list[RequestResult], limit: int = 20) -> list[dict[str, Any]]:
-    return [{"index": r.index, "label": r.label, "status": r.status, "error": r.error, "detail": r.detail}
-            for r in results if r.outcome == ERROR][:limit]
+    return [
+        {"index": r.index, "label": r.label, "status": r.status, "error": r.error, "detail": r.detail}
+        for r in results
+        if r.outcome == ERROR
+    ][:limit]
 
 
 def _mib(value: int | None) -> str:
@@ -104,9 +107,15 @@ def summary_lines(figures: dict[str, Any], checks: list[Check]) -> list[str]:
     return lines
 
 
-def write_json(path: Path, config: dict[str, Any], figures: dict[str, Any], checks: list[Check],
-               extra: dict[str, Any]) -> None:
+def write_json(
+    path: Path, config: dict[str, Any], figures: dict[str, Any], checks: list[Check], extra: dict[str, Any]
+) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"passed": all(c.passed for c in checks), "config": config, "figures": figures,
-           "checks": [asdict(c) for c in checks], **extra}
+    doc = {
+        "passed": all(c.passed for c in checks),
+        "config": config,
+        "figures": figures,
+        "checks": [asdict(c) for c in checks],
+        **extra,
+    }
     path.write_text(json.dumps(doc, indent=2, default=str) + "\n")

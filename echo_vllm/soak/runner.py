@@ -98,7 +98,7 @@ def rss_total(pid: int) -> int:
 
 
 def server_env(cfg: SoakConfig) -> dict[str, str]:
-    from echo_vllm.runtime_env import cpu_runtime_env  # noqa: PLC0415
+    from echo_vllm.runtime_env import cpu_runtime_env
 
     env = cpu_runtime_env(os.environ, in_process=False)
     env.setdefault("ECHO_VLLM_LOG_INTERVAL", str(cfg.log_interval_s))  # the soak reads the last stats line
@@ -107,20 +107,26 @@ def server_env(cfg: SoakConfig) -> dict[str, str]:
 
 def make_server(cfg: SoakConfig, name: str, speculative: bool) -> Server:
     port = free_port()
-    argv = serve_argv(str(cfg.model), port=port, max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                      speculative_config=cfg.write_speculative_config() if speculative else None)
-    return Server(ServerSpec(name=name, argv=argv, env=server_env(cfg), log_path=cfg.out_dir / f"{name}_server.log",
-                             port=port))
+    argv = serve_argv(
+        str(cfg.model),
+        port=port,
+        max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        speculative_config=cfg.write_speculative_config() if speculative else None,
+    )
+    return Server(
+        ServerSpec(name=name, argv=argv, env=server_env(cfg), log_path=cfg.out_dir / f"{name}_server.log", port=port)
+    )
 
 
 def _http() -> Any:
-    import httpx  # noqa: PLC0415
+    import httpx
 
     return httpx.Client(timeout=60, trust_env=False)  # trust_env=False: never a proxy for 127.0.0.1
 
 
 def _settle(http: Any, base_url: str, idle_kv: float | None, timeout_s: float) -> tuple[dict[str, float | None], float]:
-    import httpx  # noqa: PLC0415
+    import httpx
 
     try:
         return ck.settle(http, base_url, idle_kv, timeout_s)
@@ -136,28 +142,61 @@ def run_echo_phase(cfg: SoakConfig) -> EchoPhase:
         idle = ck.engine_gauges(ck.read_metrics(http, base))  # before any traffic: the idle KV usage
         prompts = build_prompts(http, base, model, max_model_len=cfg.max_model_len, seed=cfg.seed)
         log(f"echo server ready in {ready_s:.0f} s on {base}; warm-up burst of {cfg.warmup_requests} requests")
-        warm_specs = build_mix(cfg.warmup_requests, model, prompts, seed=cfg.seed + 1_000_003,
-                               max_model_len=cfg.max_model_len, allow_hostile=False,
-                               per_request_seed=cfg.per_request_seed)
-        warmup = run_traffic_sync(base, warm_specs, concurrency=cfg.concurrency,
-                                  request_timeout_s=cfg.request_timeout_s)
+        warm_specs = build_mix(
+            cfg.warmup_requests,
+            model,
+            prompts,
+            seed=cfg.seed + 1_000_003,
+            max_model_len=cfg.max_model_len,
+            allow_hostile=False,
+            per_request_seed=cfg.per_request_seed,
+        )
+        warmup = run_traffic_sync(
+            base, warm_specs, concurrency=cfg.concurrency, request_timeout_s=cfg.request_timeout_s
+        )
         _settle(http, base, idle[ck.KV_USAGE], cfg.settle_s)
         before = rss_total(server.pid)
-        specs = build_mix(cfg.requests, model, prompts, seed=cfg.seed, max_model_len=cfg.max_model_len,
-                          per_request_seed=cfg.per_request_seed)
-        log(f"soak: {cfg.requests} requests ({hostile_counts(specs)} hostile) at concurrency {cfg.concurrency}, "
-            f"at most {cfg.duration_s:.0f} s")
+        specs = build_mix(
+            cfg.requests,
+            model,
+            prompts,
+            seed=cfg.seed,
+            max_model_len=cfg.max_model_len,
+            per_request_seed=cfg.per_request_seed,
+        )
+        log(
+            f"soak: {cfg.requests} requests ({hostile_counts(specs)} hostile) at concurrency {cfg.concurrency}, "
+            f"at most {cfg.duration_s:.0f} s"
+        )
         with MemorySampler(server.pid) as sampler:
-            soak = run_traffic_sync(base, specs, concurrency=cfg.concurrency, duration_s=cfg.duration_s,
-                                    request_timeout_s=cfg.request_timeout_s)
+            soak = run_traffic_sync(
+                base,
+                specs,
+                concurrency=cfg.concurrency,
+                duration_s=cfg.duration_s,
+                request_timeout_s=cfg.request_timeout_s,
+            )
         after, waited = _settle(http, base, idle[ck.KV_USAGE], cfg.settle_s)
         after_rss = rss_total(server.pid)
         health = ck.probe_health(http, base, model)
         # Read the log before stopping: vLLM's own shutdown may log a traceback (EngineDeadError) after SIGTERM.
         stats, tracebacks = ck.last_echo_stats(server.spec.log_path), ck.count_tracebacks(server.spec.log_path)
-    return EchoPhase(ready_s=ready_s, idle=idle, warmup=warmup, soak=soak, specs=specs, memory_before=before,
-                     memory_after=after_rss, memory_peak=max(sampler.peak, after_rss), memory_timeline=sampler.samples,
-                     after=after, settle_wait_s=waited, health=health, stats=stats, tracebacks=tracebacks)
+    return EchoPhase(
+        ready_s=ready_s,
+        idle=idle,
+        warmup=warmup,
+        soak=soak,
+        specs=specs,
+        memory_before=before,
+        memory_after=after_rss,
+        memory_peak=max(sampler.peak, after_rss),
+        memory_timeline=sampler.samples,
+        after=after,
+        settle_wait_s=waited,
+        health=health,
+        stats=stats,
+        tracebacks=tracebacks,
+    )
 
 
 def replay_specs(echo: EchoPhase) -> list[RequestSpec]:
@@ -173,17 +212,24 @@ def run_nospec_phase(cfg: SoakConfig, echo: EchoPhase) -> NospecPhase:
     with server:
         ready_s = server.wait_ready(cfg.ready_timeout_s)
         log(f"no-spec server ready in {ready_s:.0f} s; replaying {len(specs)} temperature-0 requests")
-        first = run_traffic_sync(server.spec.base_url, specs, concurrency=cfg.concurrency,
-                                 request_timeout_s=cfg.request_timeout_s)
+        first = run_traffic_sync(
+            server.spec.base_url, specs, concurrency=cfg.concurrency, request_timeout_s=cfg.request_timeout_s
+        )
         ref = _by_index(first.results)
         mismatches = ck.compare_greedy(echo_results, ref)
-        phase = NospecPhase(ready_s=ready_s, compared=len(specs), mismatches=mismatches,
-                            replay_wall_s=first.wall_s, errors=error_samples(first.results))
+        phase = NospecPhase(
+            ready_s=ready_s,
+            compared=len(specs),
+            mismatches=mismatches,
+            replay_wall_s=first.wall_s,
+            errors=error_samples(first.results),
+        )
         if mismatches:
             # Is it batch-dependent rounding? Then the no-spec server disagrees with itself the same way.
             log(f"{len(mismatches)} greedy mismatches: replaying once more on the no-spec server")
-            second = run_traffic_sync(server.spec.base_url, specs, concurrency=cfg.concurrency,
-                                      request_timeout_s=cfg.request_timeout_s)
+            second = run_traffic_sync(
+                server.spec.base_url, specs, concurrency=cfg.concurrency, request_timeout_s=cfg.request_timeout_s
+            )
             phase.self_flips = ck.compare_greedy(ref, _by_index(second.results))
     return phase
 
@@ -195,9 +241,12 @@ def _by_index(results: list[RequestResult]) -> dict[int, RequestResult]:
 def build_checks(cfg: SoakConfig, echo: EchoPhase, nospec: NospecPhase) -> list[ck.Check]:
     warm_errors = [r for r in echo.warmup.results if r.outcome == ERROR]
     checks = [
-        ck.Check("warm-up burst without errors", not warm_errors,
-                 f"{len(warm_errors)} errors in {len(echo.warmup.results)} requests"
-                 + (f" (first: {warm_errors[0].label}: {warm_errors[0].error})" if warm_errors else "")),
+        ck.Check(
+            "warm-up burst without errors",
+            not warm_errors,
+            f"{len(warm_errors)} errors in {len(echo.warmup.results)} requests"
+            + (f" (first: {warm_errors[0].label}: {warm_errors[0].error})" if warm_errors else ""),
+        ),
         ck.check_health(*echo.health),
         ck.check_accounting(echo.soak.results),
         ck.check_hostile(echo.soak.results),
@@ -215,19 +264,26 @@ def figures_of(cfg: SoakConfig, echo: EchoPhase, nospec: NospecPhase) -> dict[st
     return {
         "traffic": traffic_figures(echo.soak.results, echo.soak.not_sent, echo.soak.wall_s),
         "warmup": traffic_figures(echo.warmup.results, echo.warmup.not_sent, echo.warmup.wall_s),
-        "memory": {"before_bytes": echo.memory_before, "after_bytes": echo.memory_after,
-                   "growth_bytes": echo.memory_after - echo.memory_before, "peak_bytes": echo.memory_peak,
-                   "bound_bytes": cfg.memory_bound_mib * MIB,
-                   "growth_second_half_bytes": ck.second_half_growth(echo.memory_timeline),
-                   "second_half_bound_bytes": cfg.plateau_bound_mib * MIB,
-                   "timeline_s_bytes": echo.memory_timeline},
+        "memory": {
+            "before_bytes": echo.memory_before,
+            "after_bytes": echo.memory_after,
+            "growth_bytes": echo.memory_after - echo.memory_before,
+            "peak_bytes": echo.memory_peak,
+            "bound_bytes": cfg.memory_bound_mib * MIB,
+            "growth_second_half_bytes": ck.second_half_growth(echo.memory_timeline),
+            "second_half_bound_bytes": cfg.plateau_bound_mib * MIB,
+            "timeline_s_bytes": echo.memory_timeline,
+        },
         "metrics_idle_before": echo.idle,
         "metrics_after": echo.after,
         "settle_wait_s": echo.settle_wait_s,
         "server_ready_s": {"echo": echo.ready_s, "nospec": nospec.ready_s},
-        "greedy": {"compared": nospec.compared, "mismatches": len(nospec.mismatches),
-                   "nospec_self_flips": None if nospec.self_flips is None else len(nospec.self_flips),
-                   "replay_wall_s": nospec.replay_wall_s},
+        "greedy": {
+            "compared": nospec.compared,
+            "mismatches": len(nospec.mismatches),
+            "nospec_self_flips": None if nospec.self_flips is None else len(nospec.self_flips),
+            "replay_wall_s": nospec.replay_wall_s,
+        },
         "echo_stats": echo.stats,
         "server_tracebacks": echo.tracebacks,
     }
@@ -251,9 +307,13 @@ def run_soak(cfg: SoakConfig) -> int:
     checks = build_checks(cfg, echo, nospec)
     figures = figures_of(cfg, echo, nospec)
     print("\n".join(summary_lines(figures, checks)))
-    extra = {"errors": error_samples(echo.soak.results), "mismatches": [vars(m) for m in nospec.mismatches],
-             "nospec_self_flips": [vars(m) for m in nospec.self_flips or []], "nospec_replay_errors": nospec.errors,
-             "logs": {"echo": str(echo_log), "nospec": str(cfg.out_dir / "nospec_server.log")}}
+    extra = {
+        "errors": error_samples(echo.soak.results),
+        "mismatches": [vars(m) for m in nospec.mismatches],
+        "nospec_self_flips": [vars(m) for m in nospec.self_flips or []],
+        "nospec_replay_errors": nospec.errors,
+        "logs": {"echo": str(echo_log), "nospec": str(cfg.out_dir / "nospec_server.log")},
+    }
     if cfg.json_path is not None:
         write_json(cfg.json_path, cfg.as_dict(), figures, checks, extra)
     passed = all(c.passed for c in checks)

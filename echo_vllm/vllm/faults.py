@@ -91,14 +91,18 @@ class FaultGuard:
             logger.warning(
                 "ECHO fault in %s; this step runs without drafts (plain decoding, still exact). Further faults "
                 "with this cause are counted, not logged (see 'ECHO stats'):\n%s",
-                stage, "".join(traceback.format_exception(type(err), err, err.__traceback__)).rstrip(),
+                stage,
+                "".join(traceback.format_exception(type(err), err, err.__traceback__)).rstrip(),
             )
         if not self.disabled and self.consecutive >= self.limit:
             self.disabled = True
             logger.error(
                 "ECHO DISABLED for this process after %d consecutive faulty steps (last: %s; %d faults in total: "
                 "%s). The engine keeps serving without speculative decoding; restart it to re-enable ECHO.",
-                self.consecutive, cause, self.total, dict(self.by_cause),
+                self.consecutive,
+                cause,
+                self.total,
+                dict(self.by_cause),
             )
 
     def record_success(self) -> None:
@@ -112,5 +116,6 @@ def guard_from_env(limit: int) -> FaultGuard:
     mode = os.environ.get(MODE_ENV) or "contain"
     if mode not in MODES:
         raise EchoConfigError(f"{MODE_ENV}={mode!r}: expected one of {', '.join(MODES)} (or unset it)")
-    return FaultGuard(limit=limit, injection=FaultInjection.from_env(os.environ.get(INJECT_ENV)),
-                      should_raise=mode == "raise")
+    return FaultGuard(
+        limit=limit, injection=FaultInjection.from_env(os.environ.get(INJECT_ENV)), should_raise=mode == "raise"
+    )

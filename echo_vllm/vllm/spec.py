@@ -71,7 +71,7 @@ def _calibration_problem(settings: EchoSettings, max_depth: int) -> str | None:
     path = Path(settings.calibration_file).expanduser()
     if not path.exists():
         return None
-    from echo_vllm.core.calibration import Calibration, CalibrationError  # noqa: PLC0415 - torch, only if needed
+    from echo_vllm.core.calibration import Calibration, CalibrationError  # lazy: torch, only if needed
 
     try:
         Calibration.load(path, expected_max_depth=max_depth, expected_mode=settings.gate_mode)

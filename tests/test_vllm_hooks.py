@@ -12,6 +12,7 @@ import types
 from pathlib import Path
 
 import pytest
+from plugin_refusal import register_refuses
 
 from echo_vllm.vllm import hooks, instance_attrs
 from echo_vllm.vllm.cpu_fixes import CpuExpandKernelOverride
@@ -82,8 +83,6 @@ def test_signature_drift_is_detected_and_nothing_is_patched(monkeypatch):
     pytest.importorskip("vllm")
     from vllm.v1.spec_decode import llm_base_proposer
 
-    from echo_vllm.vllm import patches, plugin
-
     def _sample_draft_tokens(self, hidden_states, sampling_metadata, temperature):  # a new parameter
         raise AssertionError("never called")
 
@@ -93,21 +92,8 @@ def test_signature_drift_is_detected_and_nothing_is_patched(monkeypatch):
     assert len(report.drifted) == 1 and "EagleProposer._sample_draft_tokens" in report.drifted[0]
     assert "temperature" in report.drifted[0]
 
-    hooks._check_cached.cache_clear()
-    monkeypatch.setattr(plugin, "_state", {"registered": False, "patches": []})
-    try:
-        applied = [p for p in patches.PATCHES if p._applied]
-        plugin.register()  # ECHO not requested: a warning, no patch
-        assert [p for p in patches.PATCHES if p._applied] == applied
-        monkeypatch.setattr(plugin, "_state", {"registered": False, "patches": []})
-        monkeypatch.setattr("sys.argv", ["vllm", "serve", "m", "--speculative-config", '{"method": "echo"}'])
-        with pytest.raises(SystemExit) as stop:
-            plugin.register()
-        message = str(stop.value)
-        assert "\n" not in message and "changed signatures" in message and "_sample_draft_tokens" in message
-        assert "pip install" in message
-    finally:
-        hooks._check_cached.cache_clear()
+    message = register_refuses(monkeypatch)
+    assert "changed signatures" in message and "_sample_draft_tokens" in message
 
 
 def test_a_missing_instance_attribute_fails_loudly():

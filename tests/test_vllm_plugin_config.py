@@ -6,6 +6,7 @@ import argparse
 import json
 
 import pytest
+from plugin_refusal import register_refuses
 
 from echo_vllm.config import EchoConfigError
 from echo_vllm.vllm import hooks, spec
@@ -82,21 +83,6 @@ def test_hook_table_lists_every_patch():
 
 
 def test_wrong_version_changes_nothing_and_stops_echo(monkeypatch):
-    from echo_vllm.vllm import patches, plugin
-
     monkeypatch.setattr(hooks, "installed_vllm_version", lambda: "0.31.2")
-    monkeypatch.setattr(plugin, "_state", {"registered": False, "patches": []})
-    hooks._check_cached.cache_clear()
-    try:
-        applied = [p for p in patches.PATCHES if p._applied]
-        plugin.register()  # ECHO not requested: warning only, no patch
-        assert [p for p in patches.PATCHES if p._applied] == applied
-        monkeypatch.setattr(plugin, "_state", {"registered": False, "patches": []})
-        monkeypatch.setattr("sys.argv", ["vllm", "serve", "m", "--speculative-config", '{"method": "echo"}'])
-        with pytest.raises(SystemExit) as stop:
-            plugin.register()
-        message = str(stop.value)
-        assert "0.31.2" in message and "0.32.0" in message and "EngineArgs.create_engine_config" in message
-        assert "pip install" in message
-    finally:
-        hooks._check_cached.cache_clear()
+    message = register_refuses(monkeypatch)
+    assert "0.31.2" in message and "0.32.0" in message and "EngineArgs.create_engine_config" in message

@@ -67,10 +67,11 @@ bench-ops: install
 	@mkdir -p out
 	$(PY) -m echo_vllm.cli bench ops --json out/bench_ops.json
 
-# ~8 min on 2 CPU cores: 5 min of traffic (4000 requests at most), then the no-spec replay (docs/soak.md).
+# ~10 min on 2 CPU cores: 5 min of traffic (the duration ends it; 6000 requests at most), then the no-spec replay
+# (docs/soak.md).
 soak: testbed
 	@mkdir -p out
-	$(PY) -m echo_vllm.cli soak --requests 4000 --concurrency 32 --duration-s 300 --json out/soak.json
+	$(PY) -m echo_vllm.cli soak --requests 6000 --concurrency 32 --duration-s 300 --json out/soak.json
 
 # Format, lint and type check (mypy.ini: core, ops, the vLLM plugin).
 lint: install

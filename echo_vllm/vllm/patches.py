@@ -203,7 +203,7 @@ class EchoDrafterPatch(EchoPatch):
 
             CpuExpandKernelOverride.activate()  # before the runner builds its samplers
 
-            module = importlib.import_module("vllm.v1.worker.gpu_model_runner")
+            module: Any = importlib.import_module("vllm.v1.worker.gpu_model_runner")
             saved = module.EagleProposer
             module.EagleProposer = EchoProposer
             try:

@@ -85,7 +85,8 @@ class EchoProposer(EagleProposer):
         if payload is None:
             raise ValueError("EchoProposer needs additional_config['echo'] (set by the echo-vllm plugin)")
         self.echo_settings = echo_spec.settings_from_payload(payload)
-        self.max_depth = int(payload.get("max_depth", self.num_speculative_tokens))
+        max_depth: Any = payload.get("max_depth", self.num_speculative_tokens)
+        self.max_depth = int(max_depth)
         self.k_max = int(self.echo_settings.k_max)
         if self.echo_settings.top_k > 1:
             logger.info(

@@ -86,3 +86,49 @@ def test_wrong_version_changes_nothing_and_stops_echo(monkeypatch):
     monkeypatch.setattr(hooks, "installed_vllm_version", lambda: "0.31.2")
     message = register_refuses(monkeypatch)
     assert "0.31.2" in message and "0.32.0" in message and "EngineArgs.create_engine_config" in message
+
+
+def _engine_parser(patched: bool):
+    """vLLM's own argument parser, with or without SpeculativeConfigPathPatch (restored afterwards)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from echo_vllm.vllm.patches import SpeculativeConfigPathPatch as patch
+
+    was_applied = patch._applied
+    patch.apply() if patched else patch.revert()
+    try:
+        return EngineArgs.add_cli_args(FlexibleArgumentParser())
+    finally:
+        patch.apply() if was_applied else patch.revert()
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["None", "", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'],
+    ids=["None", "empty", "json"],
+)
+def test_every_spelling_vllm_accepts_parses_the_same_with_the_plugin(value):
+    """`--speculative-config None` / "" (a YAML `speculative-config: null` becomes "None") mean no speculation to
+    vLLM; with the plugin they must too, and a JSON string must parse to the same object."""
+    argv = ["--speculative-config", value]
+    plain = _engine_parser(patched=False).parse_args(argv).speculative_config
+    assert _engine_parser(patched=True).parse_args(argv).speculative_config == plain
+    assert plain is None or isinstance(plain, dict)
+
+
+def test_the_plugin_adds_only_the_file_path(head, tmp_path, capsys):
+    path = tmp_path / "echo.json"
+    path.write_text(json.dumps(_spec(head, k_max=3)))
+    assert _engine_parser(patched=True).parse_args(["-sc", str(path)]).speculative_config == _spec(head, k_max=3)
+    with pytest.raises(SystemExit):
+        _engine_parser(patched=False).parse_args(["-sc", str(path)])  # vLLM alone: json.loads of a path
+    for parser in (_engine_parser(patched=True), _engine_parser(patched=False)):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["-sc", str(tmp_path / "missing.json")])
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(_spec(head, k_max=-1)))
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        _engine_parser(patched=True).parse_args(["-sc", str(bad)])
+    assert "k_max" in capsys.readouterr().err

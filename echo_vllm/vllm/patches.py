@@ -83,11 +83,22 @@ class SpeculativeConfigPathPatch(EchoPatch):
         def add_cli_args(parser, *args, **kwargs):
             parser = original(parser, *args, **kwargs)
             for action in getattr(parser, "_actions", []):
-                if action.dest == "speculative_config":
-                    action.type = echo_spec.speculative_config_arg
+                if action.dest == "speculative_config" and not getattr(action.type, "__echo_patch__", False):
+                    action.type = _path_aware(action.type)
             return parser
 
         return add_cli_args
+
+
+def _path_aware(vllm_type: Any) -> Any:
+    """vLLM's own --speculative-config parser, extended to a JSON file path (spec.speculative_config_arg)."""
+
+    def parse(value: str) -> Any:
+        return echo_spec.speculative_config_arg(value, vllm_type)
+
+    parse.__echo_patch__ = True  # type: ignore[attr-defined]
+    parse.__name__ = getattr(vllm_type, "__name__", "speculative_config")  # argparse names it in its errors
+    return parse
 
 
 def _running_on_cuda() -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,14 +140,25 @@ def echo_payload(vllm_config: Any) -> dict[str, Any] | None:
     return None
 
 
-def speculative_config_arg(value: str) -> dict[str, Any]:
-    """argparse `type` for --speculative-config: a JSON object string or a path to a JSON file.
+def speculative_config_arg(value: str, vllm_type: Callable[[str], Any] | None = None) -> dict[str, Any] | None:
+    """argparse `type` for --speculative-config: what vLLM's own parser accepts, plus a path to a JSON file.
 
-    An ECHO config is validated here, so bad input ends at argument parsing with one line (exit 2).
+    `vllm_type` is vLLM's parser for the flag (`optional_type(json.loads)`: "" and "None" mean no speculation, a
+    JSON object string is parsed); everything it accepts is returned as vLLM returns it, so the plugin changes
+    nothing for configs that are not ECHO. Only a value vLLM rejects is looked at again: an existing file is read as
+    JSON, anything else is one line saying why. An ECHO config is validated here, so bad input ends at argument parsing with one line (exit 2).
     """
+    data: Any
     try:
-        data = load_json_or_path(value)
-        if is_echo_request(data):
+        if vllm_type is None:
+            data = load_json_or_path(value)
+        else:
+            try:
+                data = vllm_type(value)
+            except (argparse.ArgumentTypeError, ValueError):
+                # Rejected by vLLM: a JSON file path is read; anything else gets the one-line reason.
+                data = load_json_or_path(value)
+        if isinstance(data, dict) and is_echo_request(data):
             translate(data)
     except EchoConfigError as err:
         raise argparse.ArgumentTypeError(str(err)) from None

@@ -207,3 +207,20 @@ def test_missing_testbed_names_the_fix(tmp_path, monkeypatch):
     args = argparse.Namespace(model=None, head=None)
     with pytest.raises(SoakError, match="make testbed"):
         config_from_args(args)
+
+
+def test_startup_line_names_settings_calibration_op_and_vllm():
+    from echo_vllm.config import EchoSettings
+    from echo_vllm.vllm.stats_log import format_startup_line
+
+    line = format_startup_line(
+        vllm_version="0.32.0",
+        runner="CPUModelRunner",
+        max_depth=4,
+        settings=EchoSettings(k_max=6, delta=0.7),
+        calibration="warmup",
+        budget_op="cpu:csrc",
+    )
+    assert line.startswith("ECHO proposer: max_depth=4 k_max=6 gate_mode=sparse delta=0.7 ")
+    for field in ("calibration=warmup", "budget_op=cpu:csrc", "vllm=0.32.0", "runner=CPUModelRunner"):
+        assert field in line

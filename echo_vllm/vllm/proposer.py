@@ -41,7 +41,7 @@ from echo_vllm.ops import select_budget
 from echo_vllm.vllm import instance_attrs
 from echo_vllm.vllm import spec as echo_spec
 from echo_vllm.vllm.faults import guard_from_env
-from echo_vllm.vllm.stats_log import format_stats_line
+from echo_vllm.vllm.stats_log import format_startup_line, format_stats_line
 
 try:  # vLLM imports: this module is only imported inside a vLLM worker (EchoDrafterPatch)
     from vllm.v1.spec_decode.eagle import EagleProposer
@@ -124,13 +124,20 @@ class EchoProposer(EagleProposer):
         self._step_log = (os.environ.get(STEP_LOG_ENV) or "").replace("{rank}", str(self.tp_rank)) or None
         self._log_interval = float(os.environ.get(LOG_INTERVAL_ENV, "10"))
         self._last_log = time.monotonic()
-        logger.info(
-            "ECHO proposer: max_depth=%d k_max=%d gate_mode=%s warmup_steps=%d calibration=%s",
-            d,
-            self.k_max,
-            self.echo_settings.gate_mode,
-            self.echo_settings.warmup_steps,
-            self.calibration_source,
+        logger.info("%s", self._startup_line(device))
+
+    def _startup_line(self, device: Any) -> str:
+        from echo_vllm.ops import active_implementation
+        from echo_vllm.vllm.hooks import installed_vllm_version
+
+        kind = torch.device(device).type
+        return format_startup_line(
+            vllm_version=installed_vllm_version(),
+            runner=type(self._runner).__name__ if self._runner is not None else "none",
+            max_depth=self.max_depth,
+            settings=self.echo_settings,
+            calibration=self.calibration_source,
+            budget_op=f"{kind}:{active_implementation().get(kind, 'reference')}",
         )
 
     # ---------------------------------------------------------------------------------------------------------

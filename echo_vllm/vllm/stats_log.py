@@ -22,3 +22,25 @@ _LINE = (
 def format_stats_line(stats: dict[str, Any]) -> str:
     """One line: budget use, MAT, utilization, acceptance, truncations, calibration state and faults."""
     return _LINE.format(**stats)
+
+
+STARTUP_PREFIX = "ECHO proposer:"
+
+
+def format_startup_line(
+    *,
+    vllm_version: str | None,
+    runner: str,
+    max_depth: int,
+    settings: Any,
+    calibration: str,
+    budget_op: str,
+) -> str:
+    """The one start-up line of a worker: what runs (vLLM release and runner), how ECHO is set, where its gates
+    come from, and which implementation of the budget op serves this device (csrc C++/CUDA or the reference)."""
+    return (
+        f"{STARTUP_PREFIX} max_depth={max_depth} k_max={settings.k_max} gate_mode={settings.gate_mode} "
+        f"delta={settings.delta} warmup_steps={settings.warmup_steps} surplus_tail={settings.surplus_tail} "
+        f"fault_limit={settings.fault_limit} calibration={calibration} budget_op={budget_op} "
+        f"vllm={vllm_version or 'unknown'} runner={runner}"
+    )

@@ -90,7 +90,7 @@ class EchoProposer(EagleProposer):
         self.k_max = int(self.echo_settings.k_max)
         if self.echo_settings.top_k > 1:
             logger.info(
-                "ECHO: top_k=%d needs tree verification, which vLLM 0.32 lacks; drafting chains (top_k=1)",
+                "ECHO: top_k=%d needs tree verification, which the plugin does not have in vLLM yet; drafting chains (top_k=1)",
                 self.echo_settings.top_k,
             )
         self._runner = runner

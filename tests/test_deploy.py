@@ -208,6 +208,10 @@ def _mutations():
     def tp(r):
         _set_arg(_serving_container(r), "--tensor-parallel-size", "4")
 
+    def echo_with_pp(r):  # GPUs still add up (4 x 2 = 8), but ECHO refuses pipeline parallelism
+        _set_arg(_serving_container(r), "--tensor-parallel-size", "4")
+        _set_arg(_serving_container(r), "--pipeline-parallel-size", "2")
+
     def lws_size(r):
         _lws(r)["spec"]["leaderWorkerTemplate"]["size"] = 3
 
@@ -299,6 +303,7 @@ def _mutations():
     return [
         ("overlays/llama-70b", gpu_limit, "GPUs per instance 4"),
         ("overlays/llama-70b", tp, "tensor-parallel-size 4"),
+        ("overlays/llama-70b", echo_with_pp, "(--pipeline-parallel-size)=2 is not supported with method 'echo'"),
         ("overlays/qwen3-235b", lws_size, "LeaderWorkerSet size 3 != echo-vllm/nodes 2"),
         ("overlays/qwen3-235b", nodes_annotation, "LeaderWorkerSet size 2 != echo-vllm/nodes 1"),
         ("overlays/qwen3-235b", worker_gpus, "GPUs per instance 12"),

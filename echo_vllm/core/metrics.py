@@ -29,7 +29,8 @@ Summary (`EchoStatsSnapshot` fields):
   verified_per_emitted           - sum(verified) / sum(emitted)
   truncations_per_depth          - [request-steps truncated by a gate with depth_cap == d, d = 1..D]
   truncation_rate                - truncated request-steps / selected request-steps
-Only rows with `active` True count (default: all rows).
+Only rows with `active` True count (default: all rows). `totals()` gives the raw running sums behind these
+(request-steps, emitted, accepted, verified, bound steps, truncations per depth) for the Prometheus counters.
 """
 
 from __future__ import annotations
@@ -202,3 +203,26 @@ class EchoMetrics:
     def summary(self) -> dict[str, Any]:
         """The JSON form of `snapshot()`."""
         return self.snapshot().as_dict()
+
+    def totals(self) -> dict[str, Any]:
+        """The raw running sums (one host sync), for exporters that need counters rather than ratios:
+        request_steps, emitted, accepted, verified, bound_steps and truncations_per_depth."""
+        if self._selection is None:
+            return {
+                "request_steps": 0.0,
+                "emitted": 0.0,
+                "accepted": 0.0,
+                "verified": 0.0,
+                "bound_steps": 0.0,
+                "truncations_per_depth": [0] * self.max_depth,
+            }
+        assert self._verification is not None and self._trunc is not None
+        sel, ver = self._selection.tolist(), self._verification.tolist()
+        return {
+            "request_steps": ver[_VER_REQUESTS],
+            "emitted": ver[_VER_EMITTED],
+            "accepted": ver[_VER_ACCEPTED],
+            "verified": ver[_VER_VERIFIED],
+            "bound_steps": sel[_SEL_BOUND],
+            "truncations_per_depth": [int(x) for x in self._trunc.tolist()],
+        }

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import time
 from typing import Any, ClassVar
 
 from echo_vllm.config import EchoConfigError
@@ -20,6 +21,7 @@ from echo_vllm.device import cuda_available
 from echo_vllm.runtime_env import THREADS_BIND_ENV, CpuThreadBindError, ensure_cpu_threads_bind
 from echo_vllm.vllm import combinations, instance_attrs
 from echo_vllm.vllm import spec as echo_spec
+from echo_vllm.vllm.faults import MODE_ENV as FAULTS_MODE_ENV
 
 logger = logging.getLogger("vllm.echo_vllm")
 
@@ -143,6 +145,19 @@ def _check_combinations(spec: dict[str, Any], engine_args: Any) -> None:
         logger.warning("ECHO requested: %s", warning)
 
 
+def _prepare_metrics_channel() -> None:
+    """ECHO's /metrics series: make this (front) process collect what the workers write (`prom_channel`).
+    Metrics are never worth a failed start: a fault here is logged and serving goes on without them."""
+    from echo_vllm.vllm import prom_channel
+
+    try:
+        prom_channel.prepare_front_process()
+    except Exception as err:
+        logger.warning("ECHO metrics: no ECHO series on /metrics (%s: %s)", type(err).__name__, err)
+        if os.environ.get(FAULTS_MODE_ENV) == "raise":  # tests: an exporter bug fails the test that meets it
+            raise
+
+
 class EchoEngineConfigPatch(EchoPatch):
     """Turn `{"method": "echo", ...}` into a validated eagle3 run carrying additional_config['echo'].
 
@@ -192,6 +207,7 @@ class EchoEngineConfigPatch(EchoPatch):
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
             logger.info("ECHO requested: forcing the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)")
         _bind_cpu_worker_threads(engine_args)
+        _prepare_metrics_channel()  # before the engine processes start: they inherit the channel's directory
         config = original(engine_args, *args, **kwargs)
         target_vocab = config.model_config.get_vocab_size()
         draft_cfg = config.speculative_config.draft_model_config
@@ -270,10 +286,12 @@ class EchoVerificationFeedbackPatch(EchoPatch):
         ):
             # Patched for every runner: one without speculative decoding has no `drafter` at all, and only
             # EchoProposer has observe_verification (EAGLE-3 and the rest pass straight through).
-            observe = getattr(getattr(self, "drafter", None), "observe_verification", None)
+            drafter = getattr(self, "drafter", None)
+            observe = getattr(drafter, "observe_verification", None)
             if observe is not None:
+                start = time.perf_counter()
                 observe(list(self.input_batch.req_ids), sampled_token_ids, spec_decode_metadata)
-            return original(
+            drafts = original(
                 self,
                 scheduler_output,
                 sampled_token_ids,
@@ -285,6 +303,12 @@ class EchoVerificationFeedbackPatch(EchoPatch):
                 common_attn_metadata,
                 slot_mappings,
             )
+            prom = getattr(drafter, "prom", None)
+            if observe is not None and prom is not None:
+                # The draft phase as the step sees it: feedback, vLLM's EAGLE input preparation, the draft loop,
+                # gates and selection, up to the one host sync at its end (so device time up to it counts).
+                prom.observe_proposer_time(time.perf_counter() - start)
+            return drafts
 
         return propose_draft_token_ids
 

@@ -38,7 +38,7 @@ from echo_vllm.core.gating import Gates, depth_confidence
 from echo_vllm.core.metrics import EchoMetrics
 from echo_vllm.core.tree import DraftTree
 from echo_vllm.ops import select_budget
-from echo_vllm.vllm import instance_attrs
+from echo_vllm.vllm import instance_attrs, prom_metrics
 from echo_vllm.vllm import spec as echo_spec
 from echo_vllm.vllm.faults import guard_from_env
 from echo_vllm.vllm.stats_log import format_startup_line, format_stats_line
@@ -127,6 +127,7 @@ class EchoProposer(EagleProposer):
         self._step_log = (os.environ.get(STEP_LOG_ENV) or "").replace("{rank}", str(self.tp_rank)) or None
         self._log_interval = float(os.environ.get(LOG_INTERVAL_ENV, "10"))
         self._last_log = time.monotonic()
+        self.prom = prom_metrics.exporter_for(self, vllm_config)  # ECHO's /metrics series (a no-op off rank 0)
         logger.info("%s", self._startup_line(device))
 
     def _startup_line(self, device: Any) -> str:
@@ -322,7 +323,7 @@ class EchoProposer(EagleProposer):
         )
 
     def _account(self, counts: list[int], batch: int, ragged: list[list[int]]) -> None:
-        """The debug step log and the periodic stats line (host work on the host lists of this step)."""
+        """The debug step log, the /metrics series and the periodic stats line (host work on this step's lists)."""
         step_sum = sum(counts)
         if self._step_log:
             # The selection hash covers every request's chosen draft tokens: equal hashes on every TP rank in
@@ -340,6 +341,7 @@ class EchoProposer(EagleProposer):
             }
             with open(self._step_log, "a") as fh:
                 fh.write(json.dumps(record) + "\n")
+        self.prom.on_step(self, counts)
         now = time.monotonic()
         if now - self._last_log >= self._log_interval:
             self._last_log = now

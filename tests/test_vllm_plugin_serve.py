@@ -1,8 +1,8 @@
 """`vllm serve <target> --speculative-config echo.json` on 127.0.0.1 with the openai client, and bad inputs.
 
 Temperature 0: completions (streaming and not) identical to offline no-spec generation, chat streaming ==
-non-streaming; temperature 0.8: completes without errors. Bad inputs: a non-zero exit, a one-line reason, and
-nothing served.
+non-streaming; temperature 0.8: completes without errors; the server's own /metrics shows ECHO's series next to
+vLLM's, and they move with completions. Bad inputs: a non-zero exit, a one-line reason, and nothing served.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -68,12 +69,13 @@ def server(tmp_path_factory):
     cfg.write_text(json.dumps(_echo_spec(root)))
     port = _free_port()
     log = cfg.with_name("server.log")
+    env = {**_env(), "ECHO_VLLM_METRICS_INTERVAL": "0"}  # device figures every step: no waiting in the test
     with open(log, "w") as fh:
         proc = subprocess.Popen(
             [VLLM, "serve", str(root / "target"), "--port", str(port), "--speculative-config", str(cfg), *COMMON],
             stdout=fh,
             stderr=subprocess.STDOUT,
-            env=_env(),
+            env=env,
         )
     import openai
 
@@ -150,6 +152,51 @@ def test_temperature_sampling_completes(server):
     text = log.read_text()
     assert "ECHO proposer: max_depth=4 k_max=6" in text  # the worker really runs ECHO
     assert "Traceback" not in text
+
+
+def _scrape(port: int) -> dict[str, float]:
+    """The server's /metrics (its one port), each sample name summed over its label sets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name if "le" not in sample.labels else f"{sample.name}{{le={sample.labels['le']}}}"
+            totals[key] = totals.get(key, 0.0) + sample.value
+    return totals
+
+
+def test_metrics_endpoint_shows_echo_series_that_move(server):
+    """The worker's ECHO figures reach the API server's /metrics (ECHO's multiprocess channel: one API server,
+    so vLLM set no PROMETHEUS_MULTIPROC_DIR) and move with completions, next to vLLM's own spec-decode series."""
+    client, model, _ = server
+    port = client.base_url.port
+    before = _scrape(port)
+    assert before["echo_vllm:max_depth"] == 4 and before["echo_vllm:k_max"] == 6
+    for prompt in PROMPTS:
+        client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    after = _scrape(port)
+
+    def moved(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert moved("echo_vllm:steps_total") > 0
+    assert moved("echo_vllm:verify_length_count") >= moved("echo_vllm:steps_total")  # >= 1 request per step
+    assert moved("echo_vllm:budget_capacity_tokens_total") == 6 * moved("echo_vllm:steps_total")
+    assert 0 < moved("echo_vllm:budget_draft_tokens_total") <= moved("echo_vllm:budget_capacity_tokens_total")
+    assert moved("echo_vllm:verify_length_sum") == moved("echo_vllm:budget_draft_tokens_total")
+    assert after["echo_vllm:verify_length_bucket{le=+Inf}"] == after["echo_vllm:verify_length_count"]
+    assert moved("echo_vllm:proposer_seconds_count") > 0
+    assert moved("echo_vllm:request_steps_total") > 0 and moved("echo_vllm:verified_draft_tokens_total") > 0
+    assert 0 <= after["echo_vllm:accepted_tokens_total"] <= after["echo_vllm:verified_draft_tokens_total"]
+    assert after["echo_vllm:budget_used"] > 0 and after["echo_vllm:disabled"] == 0
+    assert after["echo_vllm:calibration_state"] == 1  # exactly one state is on (warm-up is 4 steps here)
+    assert "echo_vllm:gate_truncations_total" in after
+    # vLLM's own speculative-decoding series on the same endpoint count the drafts ECHO selected
+    assert moved("vllm:spec_decode_num_draft_tokens_total") > 0
+    assert "vllm:spec_decode_num_accepted_tokens_total" in after
 
 
 # ------------------------------------------------------------------------------------------------------------

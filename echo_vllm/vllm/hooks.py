@@ -28,11 +28,12 @@ import argparse
 import importlib
 import importlib.metadata
 import inspect
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from echo_vllm.vllm import instance_attrs
+from echo_vllm.vllm import instance_attrs, post_import
 from echo_vllm.vllm.cpu_fixes import CpuExpandKernelOverride
 from echo_vllm.vllm.patches import PATCHES
 
@@ -226,7 +227,8 @@ def hooks_for(version: str | None) -> tuple[Hook, ...] | None:
     return HOOK_TABLES.get(release) if release is not None else None
 
 
-def _check_uncached() -> HookReport:
+def _check_uncached(only: Callable[[Hook], bool] | None = None) -> HookReport:
+    """Resolve the installed release's table (the rows `only` accepts: all by default)."""
     version = installed_vllm_version()
     table = hooks_for(version)
     version_ok = table is not None
@@ -234,6 +236,8 @@ def _check_uncached() -> HookReport:
     drifted: list[str] = []
     if table is not None:  # resolving against another release could import half-compatible modules; skip then
         for hook in table:
+            if only is not None and not only(hook):
+                continue
             try:
                 obj = resolve(hook)
                 found = parameter_names(obj) if hook.params is not None else None
@@ -253,7 +257,17 @@ def _check_cached() -> HookReport:
 
 
 def check_hooks(cached: bool = True) -> HookReport:
+    """The whole table: imports every hooked module (what a process that runs ECHO loads anyway)."""
     return _check_cached() if cached else _check_uncached()
+
+
+def check_loaded_hooks(just_loaded: Iterable[str] = ()) -> HookReport:
+    """The rows this process can check without importing anything: those of modules already imported (and of
+    `just_loaded`, a module whose body has just run). What the plugin checks when ECHO is not requested (yet):
+    the API server never imports the model runner, so it neither pays for nor checks the runner's hooks; the
+    worker checks them when vLLM imports the runner, right before the runner's patches go in."""
+    extra = set(just_loaded)
+    return _check_uncached(lambda hook: hook.module in extra or post_import.is_loaded(hook.module))
 
 
 def incompatibility_message(report: HookReport) -> str:

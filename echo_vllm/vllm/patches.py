@@ -1,8 +1,8 @@
 """Every change echo-vllm makes to vLLM, one small named patch class each (ArcticInference style).
 
-`apply_patches()` is the only place patches are applied; it runs from `plugin.register()` after
-`hooks.check_hooks()` passed, so each patch's target is known to exist in the pinned vLLM with the parameters the
-patch expects. Each class names its hook (`module:attr`), why it patches it and the target's parameter names;
+The plugin applies each patch when its module is loaded (`plugin.register()`, `post_import`), after the hook rows
+loaded by then passed `hooks.check_loaded_hooks()`, so each patch's target is known to exist in the installed
+vLLM with the parameters the patch expects; `apply_patches()` applies all of them at once (tests, tools). Each class names its hook (`module:attr`), why it patches it and the target's parameter names;
 `hooks.HOOKS` derives its 'patch' rows from these classes. The original is kept for `revert()`.
 Every patch is a no-op unless ECHO is requested (method 'echo' / additional_config['echo']), except
 SpeculativeConfigPathPatch, which only widens `--speculative-config` to also accept a file path.
@@ -145,6 +145,16 @@ def _check_combinations(spec: dict[str, Any], engine_args: Any) -> None:
         logger.warning("ECHO requested: %s", warning)
 
 
+def _require_all_hooks() -> None:
+    """ECHO is requested in this process: check every hook now (the plugin checked only the loaded modules'),
+    and refuse with the one-line incompatibility message on a mismatch."""
+    from echo_vllm.vllm import hooks
+
+    report = hooks.check_hooks()
+    if not report.ok:
+        raise EchoConfigError(hooks.incompatibility_message(report))
+
+
 def _prepare_metrics_channel() -> None:
     """ECHO's /metrics series: make this (front) process collect what the workers write (`prom_channel`).
     Metrics are never worth a failed start: a fault here is logged and serving goes on without them."""
@@ -195,6 +205,7 @@ class EchoEngineConfigPatch(EchoPatch):
 
     @staticmethod
     def _create(engine_args, spec, original, args, kwargs):
+        _require_all_hooks()  # ECHO requested: the whole table, before anything is changed or started
         eagle, payload = echo_spec.translate(spec)
         _check_combinations(spec, engine_args)  # before anything is changed: a refusal leaves the args as given
         engine_args.speculative_config = eagle
@@ -232,6 +243,7 @@ class EchoDrafterPatch(EchoPatch):
         def __init__(self, vllm_config, *args, **kwargs):
             if echo_spec.echo_payload(vllm_config) is None:
                 return original(self, vllm_config, *args, **kwargs)
+            _require_all_hooks()  # this worker's first ECHO use: the rows of modules it had not loaded yet
             from echo_vllm.vllm.cpu_fixes import CpuExpandKernelOverride
             from echo_vllm.vllm.proposer import EchoProposer
 

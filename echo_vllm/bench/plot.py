@@ -36,7 +36,7 @@ def plot_throughput(rows: Sequence[dict[str, Any]], path: str | Path, title: str
             y,
             yerr=[low, high],
             label=label,
-            marker="o" if not thin else None,
+            marker="." if thin else "o",
             linestyle="--" if thin else "-",
             linewidth=0.8 if thin else 2.0,
             alpha=0.6 if thin else 1.0,

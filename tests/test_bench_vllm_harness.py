@@ -155,6 +155,8 @@ def test_measure_eagle3_and_echo_rows():
     assert eagle["accepted_per_verified_draft"] == 0.5
     assert eagle["mean_step_budget"] == 1.5 and eagle["mean_draft_depth"] == 3.0
     assert eagle["ms_per_step"] == {"total": 125.0}
+    preempted = measure(Variant("nospec"), {**_out(1.0), "scheduler": {"num_preemptions": 2}})
+    assert preempted["num_preemptions"] == 2
     stats = {"calibration": "calibrated after 4 steps", "mean_draft_depth": 1.5, "ms_per_step": {"draft": 1.0}}
     echo = measure(Variant("echo", 4, ECHO), _out(1.0, echo=stats), {"oracle_ratio": 0.9, "oracle_reason": None})
     assert echo["mean_draft_depth"] == 1.5 and echo["ms_per_step"]["draft"] == 1.0
@@ -390,3 +392,14 @@ def test_plot_from_fake_rows(tmp_path):
     assert path.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(Exception, match="--plot"):
         plot_throughput(rows, tmp_path / "missing" / "p.png")
+
+
+def test_footnotes_say_what_the_cells_cannot():
+    rows = [
+        {**_row("echo", 8, 10.0), "calibrated_before_timing": False, "oracle_ratio": None, "oracle_reason": "why"},
+        {**_row("nospec", 8, 10.0), "num_preemptions": 3},
+    ]
+    notes = footnotes(rows)
+    assert any("NOT calibrated" in n for n in notes) and any("no oracle bound: why" in n for n in notes)
+    assert any("3 preemption(s)" in n for n in notes)
+    assert footnotes([{**_row("nospec", 8, 10.0), "num_preemptions": 0}]) == []

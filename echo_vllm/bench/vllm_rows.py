@@ -99,6 +99,8 @@ def measure(variant: Variant, out: Mapping[str, Any], oracle: Mapping[str, Any] 
         "mean_draft_depth": depth,
         "ms_per_step": ms,
         "engine_steps": steps,
+        # A preempted request is recomputed: the batch was not what the row says, so the table flags it.
+        "num_preemptions": float((out.get("scheduler") or {}).get("num_preemptions") or 0),
     }
     if variant.method in ECHO_METHODS:
         figures["echo"] = {k: _clean((stats or {}).get(k)) for k in ECHO_KEYS}
@@ -147,6 +149,7 @@ def aggregate(
     for key in ("tokens_per_request_step", "accepted_per_verified_draft", "mean_step_budget", "mean_draft_depth"):
         row[key] = median_or_none(r.get(key) for r in rounds)
     row["ms_per_step"] = _median_dict(r.get("ms_per_step") for r in rounds)
+    row["num_preemptions"] = sum(r.get("num_preemptions") or 0 for r in rounds)
     if variant.method in ECHO_METHODS:
         row["k_max"] = variant.echo.get("k_max")
         row.update(_median_dict(r.get("echo") for r in rounds))

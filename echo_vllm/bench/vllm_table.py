@@ -90,6 +90,8 @@ def footnotes(rows: Sequence[dict[str, Any]]) -> list[str]:
             notes.append(f"{where}: ECHO was NOT calibrated before the timed generate (warm-up too short)")
         if row["method"] in ("echo", "echo-auto") and row.get("oracle_ratio") is None:
             notes.append(f"{where}: no oracle bound: {row.get('oracle_reason') or 'unknown'}")
+        if row.get("num_preemptions"):
+            notes.append(f"{where}: {row['num_preemptions']:.0f} preemption(s): the KV cache did not hold the batch")
         for err in row.get("echo_stats_errors") or []:
             notes.append(f"{where}: ECHO statistics missing: {err}")
         for err in row.get("errors") or []:

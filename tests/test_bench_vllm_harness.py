@@ -266,12 +266,28 @@ def test_run_bench_rounds_medians_identity_and_contract(tmp_path):
 
 
 def test_a_failed_round_is_reported_not_hidden(tmp_path):
+    import subprocess
+
     variants = expand_variants(["nospec", "echo"], [1], 4, ECHO)
 
     def engine(job, extra_env=None):
         if job["speculative_config"] is not None:
             raise RuntimeError("vLLM job failed (rc=1):\nValueError: boom")
+        if job["max_num_seqs"] == 3:
+            raise subprocess.TimeoutExpired("python", 900)
         return _out(1.0)
+
+    partial = []
+    outcome = run_bench(
+        _plan(tmp_path, variants, batch_sizes=(2, 3), rounds=2),
+        engine,
+        log=lambda _: None,
+        on_batch_done=partial.append,
+    )
+    # After each batch size the outcome so far is handed out (a run that dies later keeps it).
+    assert [sorted({r["batch_size"] for r in p["results"]}) for p in partial] == [[2], [2, 3]]
+    timed_out = next(r for r in outcome["results"] if r["batch_size"] == 3 and r["method"] == "nospec")
+    assert timed_out["tokens_per_s"] is None and "timed out" in timed_out["errors"][0]
 
     rows = {
         r["label"]: r for r in run_bench(_plan(tmp_path, variants, rounds=2), engine, log=lambda _: None)["results"]
@@ -353,6 +369,7 @@ def test_outputs_json_plot_and_results_line(tmp_path, monkeypatch):
     assert vllm_cli.bench_vllm(args) == 0
     document = json.loads(out.read_text())
     assert {"results", "machine", "git", "settings", "round_log", "labels"} <= document.keys()
+    assert document["complete"] is True
     assert document["machine"]["cpu_model"] and "isa_flags" in document["machine"]
     assert document["settings"]["enable_prefix_caching"] is False and document["settings"]["rounds"] == 3
     labels = {r["label"] for r in document["results"]}
@@ -403,3 +420,9 @@ def test_footnotes_say_what_the_cells_cannot():
     assert any("NOT calibrated" in n for n in notes) and any("no oracle bound: why" in n for n in notes)
     assert any("3 preemption(s)" in n for n in notes)
     assert footnotes([{**_row("nospec", 8, 10.0), "num_preemptions": 0}]) == []
+
+
+def test_json_safe_turns_nan_into_null():
+    value = {"a": float("nan"), "b": [1.0, float("inf")], "c": {"d": 2}}
+    assert vllm_cli.json_safe(value) == {"a": None, "b": [1.0, None], "c": {"d": 2}}
+    json.dumps(vllm_cli.json_safe(value), allow_nan=False)

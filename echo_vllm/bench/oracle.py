@@ -94,7 +94,7 @@ def oracle_for_run(step_log: str | Path | None, offset: int, profile: str | Path
     if step_log is None or not Path(step_log).is_file():
         return unavailable("no ECHO step log was written")
     if profile is None or not Path(profile).is_file():
-        return unavailable("no budget profile file was written (needs ECHO's cost model, k_max 'auto')")
+        return unavailable(f"no budget profile file was written ({profile or 'no budget_profile_file set'})")
     try:
         cost = load_cost_model(profile)
     except ImportError:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -179,6 +180,17 @@ def _output_paths(args: argparse.Namespace) -> tuple[Path | None, Path | None, P
     return json_path, plot, runs
 
 
+def json_safe(value: Any) -> Any:
+    """NaN and infinities as null, recursively: strict JSON readers refuse them, and a run must not die writing."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
 def run_and_report(args: argparse.Namespace, title: str) -> int:
     from echo_vllm.bench.machine import git_commit, machine_facts, package_versions
     from echo_vllm.bench.vllm_run import run_bench
@@ -191,7 +203,31 @@ def run_and_report(args: argparse.Namespace, title: str) -> int:
     for line in header_lines(plan, title):
         print(line, flush=True)
     started, started_utc = time.time(), dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    outcome = run_bench(plan, run_in_subprocess, log=lambda line: print(line, flush=True))
+    git = git_commit()
+
+    def record(outcome: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "started_utc": started_utc,
+            "seconds": round(time.time() - started, 1),
+            "command": ["echo-vllm", *sys.argv[1:]],
+            "labels": dict(args.label or []),
+            "git": git,
+            "machine": machine_facts(outcome["torch_threads"]),
+            "versions": package_versions(),
+            "settings": plan.settings(),
+        }
+
+    def write_document(outcome: dict[str, Any], complete: bool) -> None:
+        if json_path:
+            document = {**record(outcome), "complete": complete, **outcome}
+            write_text(json_path, json.dumps(json_safe(document), indent=2) + "\n")
+
+    outcome = run_bench(
+        plan,
+        run_in_subprocess,
+        log=lambda line: print(line, flush=True),
+        on_batch_done=lambda partial: write_document(partial, complete=False),
+    )
     rows = outcome["results"]
     print()
     print(format_results(rows))
@@ -199,27 +235,15 @@ def run_and_report(args: argparse.Namespace, title: str) -> int:
         print(f"  note: {note}")
     for line in ratio_summary(rows):
         print(line)
-    record = {
-        "started_utc": started_utc,
-        "seconds": round(time.time() - started, 1),
-        "command": ["echo-vllm", *sys.argv[1:]],
-        "labels": dict(args.label or []),
-        "git": git_commit(),
-        "machine": machine_facts(outcome["torch_threads"]),
-        "versions": package_versions(),
-        "settings": plan.settings(),
-    }
-    if json_path:
-        document = {**record, "results": rows, "round_log": outcome["round_log"]}
-        write_text(json_path, json.dumps(document, indent=2) + "\n")
+    write_document(outcome, complete=True)
     if plot_path:
         from echo_vllm.bench.plot import plot_throughput
 
         plot_throughput(rows, plot_path, title=f"{title} ({plan.rounds} rounds)")
         print(f"plot: {plot_path}")
     if runs_path:
-        line = {**record, "results": [{k: r.get(k) for k in SUMMARY_KEYS} for r in rows]}
-        append_line(runs_path, json.dumps(line))
+        line = {**record(outcome), "results": [{k: r.get(k) for k in SUMMARY_KEYS} for r in rows]}
+        append_line(runs_path, json.dumps(json_safe(line)))
     ok = all(r["identical_to_baseline"] for r in rows)
     if not ok:
         print("NOT lossless: a method's greedy tokens differ from no-spec's (or a round failed); see identical")

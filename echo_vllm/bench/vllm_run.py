@@ -12,6 +12,7 @@ directory, from which the oracle bound is computed (echo_vllm.bench.oracle).
 
 from __future__ import annotations
 
+import subprocess
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -102,8 +103,21 @@ def _oracle(out: dict[str, Any], env: dict[str, str], job: dict[str, Any]) -> di
     return bound.as_dict()
 
 
-def run_bench(plan: BenchPlan, runner: Runner, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the plan; returns {"results": rows, "round_log": one entry per job, "torch_threads": ...}."""
+def finish_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """eagle3-best, the ratios, the row order: what the rows of finished batch sizes need before they are shown."""
+    return order_rows(add_ratios(add_eagle3_best([r for r in rows if r["method"] != "eagle3-best"])))
+
+
+def run_bench(
+    plan: BenchPlan,
+    runner: Runner,
+    log: Callable[[str], None] = print,
+    on_batch_done: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Run the plan; returns {"results": rows, "round_log": one entry per job, "torch_threads": ...}.
+
+    `on_batch_done` gets the outcome so far after each batch size (a long run that dies keeps what it measured).
+    """
     profile_key = budget_profile_supported()
     rows: list[dict[str, Any]] = []
     round_log: list[dict[str, Any]] = []
@@ -120,7 +134,7 @@ def run_bench(plan: BenchPlan, runner: Runner, log: Callable[[str], None] = prin
                     log(f"[bench vllm] batch={batch_size} round={r + 1}/{plan.rounds} {variant.label} ...")
                     try:
                         out = runner(job, extra_env=env)
-                    except RuntimeError as err:
+                    except (RuntimeError, subprocess.SubprocessError) as err:  # a failed or timed-out job
                         errors[variant.label].append(str(err).strip().splitlines()[-1] if str(err) else repr(err))
                         round_log.append(
                             {
@@ -146,5 +160,6 @@ def run_bench(plan: BenchPlan, runner: Runner, log: Callable[[str], None] = prin
         for variant in plan.variants:
             same = [baseline is not None and t == baseline for t in tokens[variant.label]]
             rows.append(aggregate(variant, batch_size, measured[variant.label], same, errors[variant.label]))
-    rows = order_rows(add_ratios(add_eagle3_best(rows)))
-    return {"results": rows, "round_log": round_log, "torch_threads": torch_threads}
+        if on_batch_done is not None:
+            on_batch_done({"results": finish_rows(rows), "round_log": round_log, "torch_threads": torch_threads})
+    return {"results": finish_rows(rows), "round_log": round_log, "torch_threads": torch_threads}

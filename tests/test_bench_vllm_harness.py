@@ -426,3 +426,14 @@ def test_json_safe_turns_nan_into_null():
     value = {"a": float("nan"), "b": [1.0, float("inf")], "c": {"d": 2}}
     assert vllm_cli.json_safe(value) == {"a": None, "b": [1.0, None], "c": {"d": 2}}
     json.dumps(vllm_cli.json_safe(value), allow_nan=False)
+
+
+def test_unwritable_outputs_are_refused_before_the_run(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    for flags in (["--json", str(blocker / "b.json")], ["--plot", str(blocker / "sub" / "p.png")]):
+        args = build_parser().parse_args(["bench", "vllm", *flags])
+        with pytest.raises(Exception, match=flags[0]):
+            vllm_cli._output_paths(args)
+    ok = build_parser().parse_args(["bench", "vllm", "--json", str(tmp_path / "new" / "b.json")])
+    assert vllm_cli._output_paths(ok)[1] == tmp_path / "new" / "b.png"

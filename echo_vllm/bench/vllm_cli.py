@@ -12,6 +12,7 @@ import argparse
 import datetime as dt
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from echo_vllm.bench.report import write_text
 from echo_vllm.bench.vllm_plan import ECHO_METHODS, METHODS, BenchPlanError, expand_variants
+from echo_vllm.errors import InputError
 from echo_vllm.testbed.paths import TestbedError, testbed_dir
 
 if TYPE_CHECKING:
@@ -177,7 +179,22 @@ def _output_paths(args: argparse.Namespace) -> tuple[Path | None, Path | None, P
     runs = (
         Path(args.results_log) if args.results_log else (json_path.parent / "bench_runs.jsonl" if json_path else None)
     )
+    for option, path in (("--json", json_path), ("--plot", plot), ("--results-log", runs)):
+        # Refused before the run, not after the first batch size has been measured.
+        if path is not None and not _writable_dir(_existing_parent(path)):
+            raise InputError(f"{option} {path}: its directory is not writable; give a path in a writable directory")
     return json_path, plot, runs
+
+
+def _writable_dir(path: Path) -> bool:
+    return path.is_dir() and os.access(path, os.W_OK)
+
+
+def _existing_parent(path: Path) -> Path:
+    parent = path.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    return parent
 
 
 def json_safe(value: Any) -> Any:
@@ -239,7 +256,7 @@ def run_and_report(args: argparse.Namespace, title: str) -> int:
     if plot_path:
         from echo_vllm.bench.plot import plot_throughput
 
-        plot_throughput(rows, plot_path, title=f"{title} ({plan.rounds} rounds)")
+        plot_throughput(rows, plot_path, title=f"{title.split(':')[0]} ({plan.rounds} interleaved rounds)")
         print(f"plot: {plot_path}")
     if runs_path:
         line = {**record(outcome), "results": [{k: r.get(k) for k in SUMMARY_KEYS} for r in rows]}
@@ -251,8 +268,6 @@ def run_and_report(args: argparse.Namespace, title: str) -> int:
 
 
 def append_line(path: Path, text: str) -> None:
-    from echo_vllm.errors import InputError
-
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a", encoding="utf-8") as handle:

@@ -294,6 +294,7 @@ def test_a_failed_round_is_reported_not_hidden(tmp_path):
     }
     assert rows["echo"]["tokens_per_s"] is None and rows["echo"]["identical_to_baseline"] is False
     assert rows["echo"]["errors"] == ["ValueError: boom", "ValueError: boom"]
+    assert rows["echo"]["oracle_ratio"] is None and "budget_mode" in rows["echo"]
     assert "failed" in format_results(list(rows.values()))
 
 

@@ -152,6 +152,7 @@ def aggregate(
     row["num_preemptions"] = sum(r.get("num_preemptions") or 0 for r in rounds)
     if variant.method in ECHO_METHODS:
         row["k_max"] = variant.echo.get("k_max")
+        row.update({key: None for key in ECHO_KEYS})  # present even when no round succeeded
         row.update(_median_dict(r.get("echo") for r in rounds))
         oracle = spread(r.get("oracle_ratio") for r in rounds)
         row["oracle_ratio"] = oracle.median if oracle else None

@@ -183,7 +183,7 @@ def test_testbed_ensure_installs_replaces_stale_prebuilt_and_keeps_user_builds(t
 
 
 def test_bench_vllm_surplus_tail_flag_reaches_the_echo_block():
-    from echo_vllm.bench.cli import _echo_options
+    from echo_vllm.bench.vllm_cli import _echo_options
     from echo_vllm.cli import build_parser
 
     parser = build_parser()

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
-import types
 
 import pytest
 
@@ -57,31 +55,19 @@ def test_step_log_from_the_timed_offset_and_rank_0(tmp_path):
     assert [r["num_tokens"] for r in records] == [4, 3]
 
 
-def test_oracle_for_run_reasons_and_the_lazy_cost_model(tmp_path, monkeypatch):
+def test_oracle_for_run_reasons_and_the_real_profile(tmp_path):
+    from echo_vllm.core.acceptance import AcceptanceModel
+    from echo_vllm.core.budget_profile import save_profile
+    from echo_vllm.core.cost_model import CostModel
+
     log = tmp_path / "steps.jsonl"
     log.write_text(json.dumps(_step(2, 6, 2, [1, 1], rank=0)) + "\n")
     profile = tmp_path / "profile.json"
     assert "step log" in oracle_for_run(None, 0, profile).reason
     assert "budget profile" in oracle_for_run(log, 0, profile).reason
-    profile.write_text("{}")
-    fake = types.ModuleType("echo_vllm.core.cost_model")
-    loaded = []
-
-    class CostModel(LinearCost):
-        @classmethod
-        def load(cls, path):
-            loaded.append(str(path))
-            if json.loads(open(path).read()).get("corrupt"):
-                raise ValueError("corrupt profile")
-            return cls()
-
-    fake.CostModel = CostModel
-    monkeypatch.setitem(sys.modules, "echo_vllm.core.cost_model", fake)
+    cost = CostModel((1.0, 2.0, 4.0, 8.0), (0.01, 0.012, 0.016, 0.024), 0.001, (0.002, 0.0005, 0.001, 0.0001), 0.02, 40)
+    save_profile(profile, cost, AcceptanceModel(3))
     bound = oracle_for_run(log, 0, profile)
-    assert loaded == [str(profile)] and bound.ratio == pytest.approx(
-        (LinearCost().step_seconds(4, 2, 1)) / LinearCost().step_seconds(6, 2, 2)
-    )
-    profile.write_text('{"corrupt": true}')
+    assert bound.ratio == pytest.approx(cost.step_seconds(4, 2, 1) / cost.step_seconds(6, 2, 2))
+    profile.write_text('{"kind": "something else"}')
     assert "does not load" in oracle_for_run(log, 0, profile).reason
-    monkeypatch.setitem(sys.modules, "echo_vllm.core.cost_model", None)  # not in this build
-    assert "cost_model" in oracle_for_run(log, 0, profile).reason

@@ -64,7 +64,8 @@ def oracle_bound(records: Iterable[Mapping[str, Any]], cost: StepCost) -> Oracle
         batch = int(record["batch"])
         accepted = [int(a) for a in record["accepted"]]
         oracle += cost.step_seconds(float(batch + sum(accepted)), batch, max(accepted, default=0))
-        policy += cost.step_seconds(float(record["num_tokens"]), batch, int(record["draft_depth"]))
+        drafted = int(record.get("drafted_depth", record["draft_depth"]))  # the early exit may stop short of the plan
+        policy += cost.step_seconds(float(record["num_tokens"]), batch, drafted)
         steps += 1
     if steps == 0:
         return unavailable("no ECHO steps were recorded in the timed part")
@@ -84,9 +85,9 @@ def read_step_log(path: str | Path, offset: int = 0, rank: int = 0) -> list[dict
 
 def load_cost_model(path: str | Path) -> StepCost:
     """ECHO's budget profile; imported lazily (the cost model lives in the core, which needs torch)."""
-    from echo_vllm.core.cost_model import CostModel
+    from echo_vllm.core.budget_profile import load_cost_model
 
-    return CostModel.load(path)
+    return load_cost_model(path)
 
 
 def oracle_for_run(step_log: str | Path | None, offset: int, profile: str | Path | None) -> OracleBound:
@@ -97,8 +98,6 @@ def oracle_for_run(step_log: str | Path | None, offset: int, profile: str | Path
         return unavailable(f"no budget profile file was written ({profile or 'no budget_profile_file set'})")
     try:
         cost = load_cost_model(profile)
-    except ImportError:
-        return unavailable("echo_vllm.core.cost_model is not in this build")
     except Exception as err:  # noqa: BLE001 - a corrupt profile is a reported reason, not a failed benchmark
         return unavailable(f"budget profile {profile} does not load: {err}")
     return oracle_bound(read_step_log(step_log, offset), cost)

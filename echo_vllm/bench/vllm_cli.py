@@ -109,6 +109,7 @@ def echo_block(args: argparse.Namespace) -> dict[str, Any]:
         "k_max": getattr(args, "k_max", 16),
         "top_k": getattr(args, "top_k", 1),
         "warmup_steps": getattr(args, "warmup_steps", 16),
+        "profile_steps": getattr(args, "profile_steps", 24),
         "surplus_tail": getattr(args, "surplus_tail", True),
     }
 
@@ -143,7 +144,8 @@ def plan_from_args(args: argparse.Namespace, dataset: list[str] | None = None) -
         dataset=dataset,
         limit=args.limit,
         max_tokens=args.max_tokens,
-        warmup_steps=args.warmup_steps,
+        # The untimed warm-up covers ECHO's calibration and (echo-auto) its cost profile: timing starts in steady state.
+        warmup_steps=args.warmup_steps + getattr(args, "profile_steps", 24),
     )
 
 
@@ -168,7 +170,7 @@ def header_lines(plan: BenchPlan, title: str) -> list[str]:
         f"  >= {plan.limit} prompts per batch size (whole batches; max_num_seqs = batch size), {plan.max_tokens} greedy "
         f"tokens each (ignore_eos), prefix caching off",
         f"  warm-up (untimed, every method, same engine): one full batch x {plan.warmup_max_tokens} tokens "
-        f"(>= ECHO's {plan.warmup_steps} calibration steps)",
+        f"(>= ECHO's {plan.warmup_steps} calibration + profile steps)",
         "  ECHO: " + "; ".join(f"{k}: {json.dumps(v)}" for k, v in settings["echo"].items()),
     ]
 
@@ -316,6 +318,9 @@ def add_vllm_args(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> 
     parser.add_argument("--top-k", type=int, default=1, help="echo: top_k (vLLM verifies chains only: 1)")
     parser.add_argument(
         "--warmup-steps", type=int, default=16, help="echo: verification steps before gates apply (in the warm-up)"
+    )
+    parser.add_argument(
+        "--profile-steps", type=int, default=24, help="echo-auto: cost-profile steps after calibration (in the warm-up)"
     )
     parser.add_argument(
         "--no-surplus-tail",

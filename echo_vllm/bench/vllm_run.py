@@ -95,10 +95,13 @@ def build_job(
     return job, env
 
 
-def _oracle(out: dict[str, Any], env: dict[str, str], job: dict[str, Any]) -> dict[str, Any]:
+def _oracle(out: dict[str, Any], env: dict[str, str], job: dict[str, Any], fallback: Path | None) -> dict[str, Any]:
+    """The run's oracle bound on its own cost curve, or on `fallback` (echo-auto's at the same batch size)."""
     stats = out.get("echo_stats") or {}
     profile = stats.get("budget_profile_file") if isinstance(stats, dict) else None
     profile = profile or (job["speculative_config"]["echo"].get("budget_profile_file"))
+    if (profile is None or not Path(profile).is_file()) and fallback is not None:
+        profile = str(fallback)
     bound = oracle_for_run(env.get(STEP_LOG_ENV), int(out.get("step_log_offset") or 0), profile)
     return bound.as_dict()
 
@@ -127,10 +130,15 @@ def run_bench(
         measured: dict[str, list[dict[str, Any]]] = {v.label: [] for v in plan.variants}
         tokens: dict[str, list[list[list[int]]]] = {v.label: [] for v in plan.variants}
         errors: dict[str, list[str]] = {v.label: [] for v in plan.variants}
-        for r, order in enumerate(orders):
-            for variant in order:
-                with tempfile.TemporaryDirectory(prefix="echo-bench-") as tmp:
-                    job, env = build_job(plan, variant, batch_size, Path(tmp), profile_key=profile_key)
+        # One work directory per batch size, kept until its rounds are done: the oracle bound of a fixed-K_max ECHO
+        # run (which fits no cost model of its own) uses the cost curve echo-auto measured at the same batch size.
+        with tempfile.TemporaryDirectory(prefix="echo-bench-") as batch_dir:
+            pending: list[tuple[dict[str, Any], dict[str, Any], dict[str, str], dict[str, Any], int, Variant]] = []
+            for r, order in enumerate(orders):
+                for variant in order:
+                    work = Path(batch_dir) / f"r{r}-{variant.label}"
+                    work.mkdir()
+                    job, env = build_job(plan, variant, batch_size, work, profile_key=profile_key)
                     log(f"[bench vllm] batch={batch_size} round={r + 1}/{plan.rounds} {variant.label} ...")
                     try:
                         out = runner(job, extra_env=env)
@@ -146,16 +154,27 @@ def run_bench(
                         )
                         log(f"[bench vllm]   FAILED: {errors[variant.label][-1]}")
                         continue
-                    oracle = _oracle(out, env, job) if variant.method in ECHO_METHODS else None
-                figures = measure(variant, out, oracle)
-                torch_threads = torch_threads or out.get("torch_threads")
-                measured[variant.label].append(figures)
-                tokens[variant.label].append(out["token_ids"])
-                round_log.append(
-                    {"batch_size": batch_size, "round": r, "position": order.index(variant), "label": variant.label}
-                    | {k: figures[k] for k in ("tokens_per_s", "generate_seconds", "num_generated", "engine_steps")}
-                )
-                log(f"[bench vllm]   {figures['tokens_per_s']:.1f} tok/s")
+                    figures = measure(variant, out, None)
+                    if variant.method in ECHO_METHODS:
+                        pending.append((figures, out, env, job, r, variant))
+                    torch_threads = torch_threads or out.get("torch_threads")
+                    measured[variant.label].append(figures)
+                    tokens[variant.label].append(out["token_ids"])
+                    round_log.append(
+                        {"batch_size": batch_size, "round": r, "position": order.index(variant), "label": variant.label}
+                        | {k: figures[k] for k in ("tokens_per_s", "generate_seconds", "num_generated", "engine_steps")}
+                    )
+                    log(f"[bench vllm]   {figures['tokens_per_s']:.1f} tok/s")
+            profiles = {
+                r: Path(batch_dir) / f"r{r}-{v.label}" / "budget_profile.json"
+                for (_, _, _, _, r, v) in pending
+                if v.method == "echo-auto"
+            }
+            for figures, out, env, job, r, _variant in pending:
+                fallback = profiles.get(r) if profiles.get(r) and profiles[r].is_file() else None
+                if fallback is None:
+                    fallback = next((p for p in profiles.values() if p.is_file()), None)
+                figures.update(_oracle(out, env, job, fallback))
         baseline = tokens["nospec"][0] if tokens["nospec"] else None
         for variant in plan.variants:
             same = [baseline is not None and t == baseline for t in tokens[variant.label]]

@@ -77,6 +77,15 @@ def save_profile(path: str | os.PathLike[str], cost: CostModel, acceptance: Acce
     atomic_write_text(path, json.dumps(data, indent=1) + "\n")
 
 
+def load_cost_model(path: str | os.PathLike[str]) -> CostModel:
+    """The cost model of a budget profile, whatever its max_depth (the benchmark's oracle bound reads it)."""
+    try:
+        depth = int(json.loads(Path(path).read_text()).get("max_depth", 0))
+    except (OSError, ValueError, AttributeError):
+        depth = 0  # load_profile reports the actual problem
+    return load_profile(path, max(depth, 1))[0]
+
+
 def load_profile(
     path: str | os.PathLike[str], expected_max_depth: int, device: Any = "cpu"
 ) -> tuple[CostModel, AcceptanceModel]:

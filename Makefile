@@ -20,7 +20,7 @@ export TRANSFORMERS_OFFLINE := 1
 .PHONY: help install demo test test-fast testbed testbed-rebuild bench bench-hf bench-vllm bench-ops soak lint doctor clean
 
 help:
-	@echo "make demo    - install, put the testbed in place, run vLLM speculative decoding on it (CPU)"
+	@echo "make demo    - install, put the testbed in place, run ECHO auto beside no-spec and EAGLE-3 on it (CPU, ~5 min)"
 	@echo "make test    - the whole test suite (what CI runs)"
 	@echo "make install | testbed | testbed-rebuild | bench | soak | lint | doctor | clean"
 
@@ -44,6 +44,7 @@ testbed: install
 testbed-rebuild: install
 	$(PY) -m echo_vllm.cli testbed build
 
+# ECHO k_max auto vs no-spec and EAGLE-3 (best of depths 1, 2): batch 1 and 8, 3 interleaved rounds (docs/benchmarks.md).
 demo: testbed
 	$(PY) -m echo_vllm.cli demo
 

@@ -27,9 +27,10 @@ class EchoSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     k_max: int | Literal["auto"] = Field(
-        default=64,
-        description="Batch-wide cap on draft tokens verified per step (sum over requests). "
-        "0 disables speculation. 'auto' is not implemented yet.",
+        default="auto",
+        description="Draft tokens verified per step, summed over the batch. 'auto': chosen every step to maximise "
+        "expected tokens per second from the measured step cost and the calibrated acceptance (0 = plain decoding "
+        "for that step). An integer: a fixed cap, ECHO's K_max (0 disables speculation).",
     )
     top_k: int = Field(default=4, ge=1, le=16, description="Children expanded per node and nodes kept per depth.")
     delta: float = Field(default=0.6, ge=0.5, le=1.0, description="AUC above which a depth is a sweet spot.")
@@ -54,6 +55,23 @@ class EchoSettings(BaseModel):
     min_samples_per_class: int = Field(
         default=8, ge=1, description="A depth needs this many accepted and rejected samples to be calibrated."
     )
+    budget_profile_file: str | None = Field(
+        default=None,
+        description="k_max 'auto': JSON with the measured step-cost model and acceptance counts; loaded if it "
+        "exists (no profile steps), else written after the start-up profile. Default: <calibration_file stem>"
+        ".budget.json next to calibration_file (none without one).",
+    )
+    profile_steps: int = Field(
+        default=24,
+        ge=4,
+        description="k_max 'auto': steps after warm-up that verify swept budgets to measure the step cost.",
+    )
+    probe_interval: int = Field(
+        default=16,
+        ge=0,
+        description="k_max 'auto': every this many steps draft at full depth and verify at least one token per "
+        "request, so that acceptance statistics stay fresh when the budget has shrunk (0 = never).",
+    )
     fault_limit: int = Field(
         default=8,
         ge=1,
@@ -67,7 +85,9 @@ class EchoSettings(BaseModel):
         if isinstance(value, bool):
             raise ValueError("k_max must be an integer >= 0; got a boolean")
         if value == "auto":
-            raise ValueError("k_max='auto' (knee search) is not implemented; give an integer >= 0")
+            return value
+        if isinstance(value, str):
+            raise ValueError(f"k_max must be 'auto' or an integer >= 0; got {value!r}")
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if not isinstance(value, (int, str)):

@@ -183,11 +183,17 @@ def test_testbed_ensure_installs_replaces_stale_prebuilt_and_keeps_user_builds(t
 
 
 def test_bench_vllm_surplus_tail_flag_reaches_the_echo_block():
-    from echo_vllm.bench.cli import _echo_options
+    from echo_vllm.bench.vllm_cli import _echo_options
     from echo_vllm.cli import build_parser
 
     parser = build_parser()
     on = parser.parse_args(["bench", "vllm"])
     off = parser.parse_args(["bench", "vllm", "--no-surplus-tail", "--k-max", "8"])
     assert _echo_options(on)["surplus_tail"] is True
-    assert _echo_options(off) == {"k_max": 8, "top_k": 1, "warmup_steps": 16, "surplus_tail": False}
+    assert _echo_options(off) == {
+        "k_max": 8,
+        "top_k": 1,
+        "warmup_steps": 16,
+        "profile_steps": 24,
+        "surplus_tail": False,
+    }

@@ -169,6 +169,9 @@ def test_stats_line_is_what_the_soak_parses(tmp_path):
         "sweet_spots": [1],
         "faults": 0,
         "disabled": False,
+        "budget_mode": "fixed",
+        "phase": "fixed",
+        "cost_fit_error": None,
     }
     log = tmp_path / "server.log"
     log.write_text(f"(Worker pid=1) INFO [proposer.py:1] {format_stats_line(stats)}\n")
@@ -178,3 +181,29 @@ def test_stats_line_is_what_the_soak_parses(tmp_path):
     assert parsed["MAT"] == pytest.approx(2.0) and parsed["accepted/verified"] == pytest.approx(0.5)
     assert parsed["truncations_per_depth"] == "[1, 0, 0, 0]" and parsed["calibration"] == "calibrated after 3 steps"
     assert checks.check_echo_stats(parsed, 4).passed
+
+
+def test_stats_line_with_the_time_aware_budget(tmp_path):
+    from echo_vllm.soak import checks
+    from echo_vllm.vllm.stats_log import format_stats_line
+
+    m = EchoMetrics(max_depth=4)
+    m.record_plan(3, torch.tensor(1.5, dtype=torch.float64))
+    m.update(_selection([[1, 2, 3], [1]]), _result([2, 0]), 8, torch.tensor([4, 1]), torch.tensor([False, True]))
+    stats = {
+        **m.summary(),
+        "k_max": "auto",
+        "calibration": "file x.json",
+        "sweet_spots": [],
+        "faults": 0,
+        "disabled": False,
+        "budget_mode": "auto",
+        "phase": "auto",
+        "cost_fit_error": 0.0625,
+    }
+    line = format_stats_line(stats)
+    assert "budget=auto phase=auto draft_depth=3.00" in line
+    assert "predicted=1.50 realised=2.00 cost_fit_error=0.062" in line
+    log = tmp_path / "server.log"
+    log.write_text(f"INFO {line}\n")
+    assert checks.last_echo_stats(log)["k_max"] == "auto"

@@ -185,11 +185,47 @@ def test_corrupt_calibration_file_is_clear_error(root, tmp_path):
         ({"kmax": 3}, "echo.kmax"),
         ({"k_max": True}, "echo.k_max"),
         ({"surplus_width": "some"}, "echo.surplus_width"),
+        ({"k_max": "fast"}, "echo.k_max"),
+        ({"k_max": "AUTO"}, "echo.k_max"),
+        ({"profile_steps": 1}, "echo.profile_steps"),
+        ({"probe_interval": -1}, "echo.probe_interval"),
     ],
 )
 def test_bad_config_values_name_the_field(raw, field):
-    with pytest.raises(EchoConfigError, match=field.replace(".", r"\.")):
+    with pytest.raises(EchoConfigError, match=field.replace(".", r"\.")) as err:
         parse_echo_settings(raw)
+    assert "\n" not in str(err.value)
+
+
+def test_k_max_auto_is_the_default_and_an_integer_stays_a_cap():
+    assert parse_echo_settings({}).k_max == "auto"
+    assert parse_echo_settings({"k_max": "auto"}).k_max == "auto"
+    assert parse_echo_settings({"k_max": 12.0}).k_max == 12
+    with pytest.raises(EchoConfigError, match="k_max must be 'auto' or an integer >= 0; got 'fast'"):
+        parse_echo_settings({"k_max": "fast"})
+
+
+def test_eagle2_needs_an_integer_budget(root):
+    with pytest.raises(EngineInputError, match="eagle2.*integer k_max"):
+        HFEngine(root / "target", root / "eagle3", EngineOptions(method="eagle2", echo=EchoSettings()))
+
+
+@pytest.mark.slow
+def test_echo_auto_greedy_identical_and_profiles(root, prompts, reference, tmp_path):
+    """k_max 'auto' in the HF engine: warm-up, profile, then the chooser; identical to ar; the profile is saved
+    next to the calibration and a second engine loads it (no profile steps)."""
+    cal = tmp_path / "cal.json"
+    settings = EchoSettings(warmup_steps=8, min_samples_per_class=1, profile_steps=6, calibration_file=str(cal))
+    engine = HFEngine(root / "target", root / "eagle3", EngineOptions(method="echo", max_depth=5, echo=settings))
+    assert_identical(engine, prompts[:12], reference[:12], "echo auto")
+    assert engine.budget is not None and engine.budget.phase(engine.warming_up) == "auto"
+    assert (tmp_path / "cal.budget.json").is_file()
+    summary = engine.metrics.summary()
+    assert summary["mean_draft_depth"] > 0 and summary["predicted_accepted_per_step"] >= 0
+    again = HFEngine(root / "target", root / "eagle3", EngineOptions(method="echo", max_depth=5, echo=settings))
+    assert again.budget is not None and again.budget.source.startswith("file ")
+    assert again.budget.phase(again.warming_up) == "auto"  # calibration and cost model loaded: no warm-up
+    assert_identical(again, prompts[:4], reference[:4], "echo auto, loaded profile")
 
 
 # ---- sampling: the engine's first speculative token is distributed exactly as the target's ------------------

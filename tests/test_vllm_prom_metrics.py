@@ -57,6 +57,7 @@ class FakeProposer:
         self.warmup_recorded = 0
         self.stats = EchoMetrics(max_depth)
         self.extra_stats = extra_stats or {}
+        self.drop: set[str] = set()  # echo_stats() keys to leave out (a proposer without the time-aware budget)
 
     def step(self, counts, accepted, truncated_at=None):
         """One selection (K_i = counts) and the verification of the previous one (accepted per request)."""
@@ -72,8 +73,9 @@ class FakeProposer:
         return counts
 
     def echo_stats(self):
-        return {**self.stats.summary(), "k_max": self.k_max, "calibration": self.calibration_source, "faults": 0,
-                "disabled": False, "fault_causes": {}, **self.extra_stats}  # fmt: skip
+        stats = {**self.stats.summary(), "k_max": self.k_max, "calibration": self.calibration_source, "faults": 0,
+                 "disabled": False, "fault_causes": {}, **self.extra_stats}  # fmt: skip
+        return {k: v for k, v in stats.items() if k not in self.drop}
 
 
 @pytest.fixture()
@@ -124,13 +126,13 @@ def test_exporter_series_move_with_the_steps(channel):
     assert ("echo_vllm:steps_total", tuple(sorted(LABELS.items()))) not in before
 
     exporter.on_step(proposer, proposer.step([4, 2, 0], [3, 1, 0]))
-    exporter.on_step(proposer, proposer.step([1, 1, 4], [0, 1, 2], truncated_at=(0, 1)))
+    exporter.on_step(proposer, proposer.step([1, 1, 4], [0, 1, 2], truncated_at=(0, 1)), 6)
     exporter.observe_proposer_time(0.003)
     samples = _scrape(channel)
     assert _value(samples, "echo_vllm:steps_total") == 2
     assert _value(samples, "echo_vllm:budget_draft_tokens_total") == 12
     assert _value(samples, "echo_vllm:budget_capacity_tokens_total") == 12
-    assert _value(samples, "echo_vllm:step_draft_tokens") == 6
+    assert _value(samples, "echo_vllm:step_draft_tokens") == 6 and _value(samples, "echo_vllm:step_budget") == 6
     # K_i per request-step: 6 observations, values 4, 2, 0, 1, 1, 4
     assert _value(samples, "echo_vllm:verify_length_count") == 6
     assert _value(samples, "echo_vllm:verify_length_sum") == 12
@@ -183,6 +185,7 @@ def test_device_figures_wait_for_the_interval(channel, monkeypatch):
 
 def test_time_aware_budget_keys_are_exported_only_when_present(channel):
     plain = FakeProposer()
+    plain.drop = {*prom_metrics.OPTIONAL_GAUGES, "budget_mode"}
     exporter = prom_metrics.exporter_for(plain, _config())
     exporter.on_step(plain, plain.step([1], [1]))
     names = {name for name, _ in _scrape(channel)}
@@ -207,6 +210,27 @@ def test_time_aware_budget_keys_are_exported_only_when_present(channel):
     assert _value(samples, "echo_vllm:budget_mode", mode="auto", **labels) == 1
     assert _value(samples, "echo_vllm:budget_mode", mode="fixed", **labels) == 0
     assert _value(samples, "echo_vllm:stat", key="step_budget", **labels) == 5
+
+
+def test_time_aware_budget_steps(channel):
+    """k_max "auto": no configured K_max, a budget chosen per step (0: plain decoding), phase and per-phase ms."""
+    extra = {"k_max": "auto", "budget_mode": "auto", "phase": "profile", "ms_per_step": {"draft": 2.5, "rest": 9.0}}
+    auto = FakeProposer(k_max=None, extra_stats=extra)
+    exporter = prom_metrics.exporter_for(auto, _config())
+    auto.k_max = 5  # only FakeProposer.step's record_selection needs an integer
+    exporter.on_step(auto, auto.step([2, 1], [1, 1]), 3)
+    exporter.on_step(auto, [0, 0, 0], 0)  # a budget-0 step
+    samples = _scrape(channel)
+    assert ("echo_vllm:k_max", tuple(sorted(LABELS.items()))) not in samples
+    assert _value(samples, "echo_vllm:steps_total") == 2
+    assert _value(samples, "echo_vllm:budget_capacity_tokens_total") == 3
+    assert _value(samples, "echo_vllm:step_budget") == 0 and _value(samples, "echo_vllm:step_draft_tokens") == 0
+    assert _value(samples, "echo_vllm:verify_length_count") == 5
+    assert _value(samples, "echo_vllm:verify_length_bucket", le="0.0") == 3
+    assert _value(samples, "echo_vllm:budget_phase", phase="profile") == 1
+    assert _value(samples, "echo_vllm:budget_phase", phase="auto") == 0
+    assert _value(samples, "echo_vllm:stat", key="ms_per_step.draft") == 2.5
+    assert _value(samples, "echo_vllm:stat", key="ms_per_step.rest") == 9.0
 
 
 @pytest.mark.parametrize(

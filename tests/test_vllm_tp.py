@@ -105,3 +105,36 @@ def test_echo_tp2_matches_no_spec_and_ranks_agree(tmp_path):
         f"{len(bound)} bound, {len(calibrated)} calibrated, {echo['spec']['num_drafts']:.0f} drafts, "
         f"wall {wall:.0f}s (engine start {baseline['engine_seconds']:.0f}s / {echo['engine_seconds']:.0f}s)"
     )
+
+
+def test_echo_auto_tp2_ranks_decide_identically(tmp_path):
+    """k_max 'auto' at TP=2: the cost model comes from step times each rank measures for itself, so rank 0's fit is
+    broadcast; every rank must then plan the same draft depth and choose the same budget in every step."""
+    prompts = humaneval_prompts(12) + mtbench_prompts(12)
+    job = _job(prompts)
+    baseline = run_in_subprocess(job, timeout=600)
+    step_log = tmp_path / "auto-{rank}.jsonl"
+    echo = run_in_subprocess(
+        {
+            **job,
+            "speculative_config": {
+                "method": "echo",
+                "model": str(shipped_testbed() / "eagle3"),
+                "num_speculative_tokens": DEPTH,
+                "echo": {"k_max": "auto", "warmup_steps": 6, "profile_steps": 6, "min_samples_per_class": 2},
+            },
+        },
+        timeout=600,
+        extra_env={"ECHO_VLLM_STEP_LOG": str(step_log), THREADS_BIND_ENV: "auto"},
+    )
+    assert echo["token_ids"] == baseline["token_ids"], "ECHO auto at TP=2 differs from no-spec"
+    ranks = [_read_steps(tmp_path / f"auto-{rank}.jsonl") for rank in range(TP)]
+    assert len(ranks[0]) > 0 and len(ranks[1]) == len(ranks[0])
+    keys = ("step", "phase", "k_cap", "draft_depth", "drafted_depth", "sum", "counts", "selection_hash")
+    diverged = [
+        (a["step"], {k: (a[k], b[k]) for k in keys if a[k] != b[k]})
+        for a, b in zip(*ranks)
+        if any(a[k] != b[k] for k in keys)
+    ]
+    assert not diverged, f"ranks decided differently: {diverged[:3]}"
+    assert any(s["phase"] == "auto" for s in ranks[0]), "the run never reached the time-aware phase"

@@ -38,6 +38,7 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
 def write_text(path: str | Path, text: str, what: str = "--json") -> None:
     """Write a result file; an unwritable path is a one-line InputError naming the option, not a traceback."""
     try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(text)
     except OSError as err:
         raise InputError(

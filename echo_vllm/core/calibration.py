@@ -19,11 +19,9 @@ and picks the gated depths by mode:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -32,6 +30,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
+from echo_vllm.core.atomic_file import atomic_write_text
 from echo_vllm.errors import CalibrationError  # raised here, imported from here by the plugin and tests
 
 SCHEMA_VERSION = 1
@@ -228,27 +227,8 @@ class Calibration:
         }
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write JSON atomically: a temporary file of this writer's own in the same directory, then a rename.
-
-        Replicas that share a volume may start together with the same missing file and all save it: each writes
-        its own uniquely named temporary file (a shared fixed name would let one writer rename another's
-        half-written file into place), flushes it to disk, and renames it over `path`. The rename is atomic
-        within one file system, so a reader sees either no file or one complete file, and the last writer wins.
-        """
-        path = Path(path)
-        text = json.dumps(self.to_json_dict(), indent=2) + "\n"
-        fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.chmod(tmp_name, 0o644)  # mkstemp creates 0600; other replicas (other users) must read it
-            os.replace(tmp_name, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp_name)
-            raise
+        """Write JSON atomically (`atomic_write_text`: replicas sharing a volume may all save at once)."""
+        atomic_write_text(path, json.dumps(self.to_json_dict(), indent=2) + "\n")
 
     @classmethod
     def load(

@@ -29,6 +29,9 @@ Summary (`EchoStatsSnapshot` fields):
   verified_per_emitted           - sum(verified) / sum(emitted)
   truncations_per_depth          - [request-steps truncated by a gate with depth_cap == d, d = 1..D]
   truncation_rate                - truncated request-steps / selected request-steps
+  mean_draft_depth               - draft depth drafted per step (`record_plan`; NaN if never recorded)
+  predicted_accepted_per_step    - expected accepted drafts of the selections per step (time-aware budget)
+  realised_accepted_per_step     - accepted drafts per verification step (what the prediction is judged by)
 Only rows with `active` True count (default: all rows). `totals()` gives the raw running sums behind these
 (request-steps, emitted, accepted, verified, bound steps, truncations per depth) for the Prometheus counters.
 """
@@ -67,6 +70,9 @@ class EchoStatsSnapshot:
     verified_per_emitted: float
     truncations_per_depth: list[int]
     truncation_rate: float
+    mean_draft_depth: float
+    predicted_accepted_per_step: float
+    realised_accepted_per_step: float
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,6 +98,11 @@ class EchoMetrics:
         self._verification: torch.Tensor | None = None  # [5] float64, slots _VER_*
         self._max_step_sum: torch.Tensor | None = None  # [] int64
         self._trunc: torch.Tensor | None = None  # [D] int64
+        self.verify_steps = 0  # steps whose verification result was recorded
+        self.plan_steps = 0  # steps with a recorded draft plan
+        self.draft_depth_sum = 0  # host: the plan's depth is a host int
+        self._predicted: torch.Tensor | None = None  # [] float64, sum of predicted accepted drafts
+        self.predicted_steps = 0
 
     def _accumulators(self, device: torch.device) -> None:
         if self._selection is None:
@@ -136,6 +147,16 @@ class EchoMetrics:
         self.budget_steps += int(k_max > 0)
         self.k_max = k_max
 
+    def record_plan(self, draft_depth: int, predicted_accepted: torch.Tensor | None = None) -> None:
+        """One step's draft depth, and (time-aware budget) the expected accepted drafts of its selection."""
+        self.plan_steps += 1
+        self.draft_depth_sum += int(draft_depth)
+        if predicted_accepted is not None:
+            if self._predicted is None:
+                self._predicted = torch.zeros((), dtype=torch.float64, device=predicted_accepted.device)
+            self._predicted += predicted_accepted.to(torch.float64)
+            self.predicted_steps += 1
+
     def record_verification(
         self,
         emitted: torch.Tensor,
@@ -147,6 +168,7 @@ class EchoMetrics:
         """One verification result, per request-step [R]: emitted, accepted and verified tokens, selected depth."""
         self._accumulators(emitted.device)
         assert self._verification is not None
+        self.verify_steps += 1
         act = torch.ones_like(emitted, dtype=torch.float64) if active is None else active.to(torch.float64)
         self._verification += torch.stack(
             [act.sum()] + [(t.to(torch.float64) * act).sum() for t in (emitted, accepted, verified, depth)]
@@ -198,6 +220,11 @@ class EchoMetrics:
             verified_per_emitted=_ratio(verified, emitted),
             truncations_per_depth=[int(x) for x in trunc],
             truncation_rate=_ratio(sel[_SEL_TRUNCATED], sel[_SEL_REQUESTS]),
+            mean_draft_depth=_ratio(self.draft_depth_sum, self.plan_steps),
+            predicted_accepted_per_step=(
+                _ratio(float(self._predicted.item()), self.predicted_steps) if self._predicted is not None else math.nan
+            ),
+            realised_accepted_per_step=_ratio(accepted, self.verify_steps),
         )
 
     def summary(self) -> dict[str, Any]:

@@ -8,7 +8,9 @@ Methods, all verified by the same tree verifier over the same target forward:
   fixed   ECHO's budget with one tau at every depth (ablation);
   echo    sparse gates at the calibrated sweet spots + the elastic budget.
 The gated methods record (confidence, accepted) during `warmup_steps` verification steps without gates, then
-calibrate once (or load `calibration_file`) and gate from then on.
+calibrate once (or load `calibration_file`) and gate from then on. With `k_max: "auto"` they choose each step's
+budget and draft depth with the vLLM plugin's time-aware budget (`echo_vllm.core.time_budget`): the same profile,
+cost model, acceptance model and chooser, timed here (B = 1).
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ from echo_vllm.core import (
     verify_greedy,
     verify_sampling,
 )
+from echo_vllm.core.auto_budget import DraftPlan
+from echo_vllm.core.budget_profile import default_profile_path
+from echo_vllm.core.cost_model import StepSample
+from echo_vllm.core.time_budget import TimeAwareBudget
 from echo_vllm.errors import InputError
 from echo_vllm.hf.drafter import Eagle3TreeDrafter
 from echo_vllm.hf.target import HFTarget
@@ -149,7 +155,27 @@ class HFEngine:
         settings = options.echo
         self.top_k = 1 if spec.chain else settings.top_k
         self.max_depth = options.max_depth
-        self.k_max = self.max_depth if spec.chain else int(settings.k_max)
+        self.budget: TimeAwareBudget | None = None
+        if spec.chain or not spec.drafts:
+            self.k_max = self.max_depth if spec.chain else 0
+        elif settings.k_max != "auto":
+            self.k_max = int(settings.k_max)
+        elif spec.gate_mode is None:
+            raise EngineInputError(
+                f"method {self.method!r}: k_max 'auto' is ECHO's time-aware budget; give {self.method} its fixed "
+                "total of draft tokens per step as an integer k_max"
+            )
+        else:
+            self.k_max = self.max_depth  # the warm-up budget (the spine to depth D: every depth is calibrated)
+            path = settings.budget_profile_file or default_profile_path(settings.calibration_file)
+            self.budget = TimeAwareBudget(
+                self.max_depth,
+                profile_steps=settings.profile_steps,
+                probe_interval=settings.probe_interval,
+                surplus_tail=False,  # drafting stops at a closed gate here: there are no tails to add
+                profile_path=Path(path).expanduser() if path else None,
+            )
+        self._plan = DraftPlan(self.max_depth, self.k_max, False)
         self.eos_id = self.target.model.config.eos_token_id
         self.metrics = EchoMetrics(self.max_depth)
         self.phases = PhaseClock()
@@ -165,13 +191,23 @@ class HFEngine:
 
     # ---- one verification step -----------------------------------------------------------------------------
 
-    def _budget(self, tree: DraftTree) -> tuple[BudgetSelection, Gates]:
+    @property
+    def warming_up(self) -> bool:
+        return self.recorder is not None and self.calibration is None and self.options.echo.warmup_steps > 0
+
+    def _budget(self, tree: DraftTree) -> tuple[BudgetSelection, Gates, torch.Tensor | None]:
+        """(selection, gates, predicted accepted drafts or None)."""
         batch = tree.tokens.shape[0]
         if self.spec.rerank:
-            return select_eagle2(tree, self.k_max), Gates.open(batch, self.max_depth)
+            return select_eagle2(tree, self.k_max), Gates.open(batch, self.max_depth), None
         # Gated methods before calibration, and chain, run with every gate open (calibration is None).
         gates = Gates.evaluate(depth_confidence(tree), self.calibration, self.options.echo.surplus_width)
-        return select_budget(tree, gates, self.k_max), gates
+        if self.budget is not None:
+            selection, predicted = self.budget.select(tree, gates, batch, self._plan, self.warming_up)
+            if selection is not None:
+                return selection, gates, predicted
+            return select_budget(tree, gates, self._plan.k_cap), gates, None
+        return select_budget(tree, gates, self.k_max), gates, None
 
     def _maybe_calibrate(self) -> None:
         settings = self.options.echo
@@ -223,7 +259,22 @@ class HFEngine:
         """One decoding step after `pending` (the last emitted token): the tokens it emits (>= 1)."""
         if not self.spec.drafts or self.k_max == 0:
             return self._ar_step(pending, temperature, generator)
+        if self.budget is not None:
+            self._plan = self.budget.plan(1, self.top_k, self.warming_up, warmup_cap=self.k_max)
+            if self._plan.depth == 0:  # the budget chose plain decoding: the head's context still follows
+                started = time.perf_counter()
+                emitted = self._ar_step(pending, temperature, generator)
+                self.budget.observe_selection(0, 0)
+                self.metrics.record_plan(0)
+                self._add_sample(1, 0, started, self._ar_split)
+                return emitted
         return self._spec_step(pending, temperature, generator)
+
+    def _add_sample(self, num_tokens: int, depth: int, started: float, split: tuple[float, float]) -> None:
+        """A timed step for the cost model: split = (seconds in the target's part, seconds in the drafter's)."""
+        assert self.budget is not None
+        rest_s, draft_s = split
+        self.budget.add_sample(StepSample(num_tokens, 1, depth, rest_s, draft_s), self.warming_up)
 
     def _pick(self, logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
         if temperature <= 0:
@@ -236,28 +287,55 @@ class HFEngine:
         pos = self.target.cache_len
         logits, aux = self.target.forward(torch.tensor([[pending]]), torch.tensor([[pos]]), None)
         token = self._pick(logits[:, -1], temperature, generator)
+        verified = time.perf_counter()
+        target_s = verified - clock
         clock = self.phases.add("verify_forward", clock)
-        if self.spec.drafts:  # k_max == 0: keep the head's context in step for when speculation resumes
+        if self.spec.drafts:  # no drafts this step: keep the head's context in step for when speculation resumes
             self.drafter.extend_context(aux, torch.tensor([[token]]), torch.tensor([[pos]]))
             self.phases.add("update_context", clock)
+        self._ar_split = (target_s, time.perf_counter() - verified)
         self.phases.steps += 1
         return [token]
 
     def _stop_drafting(self, depth: int, scores: torch.Tensor) -> bool:
         """B = 1 early exit: nothing deeper than `depth` can be selected (budget reached, or the gate closed)."""
-        if depth >= self.k_max:
+        if depth >= (self._plan.depth if self.budget is not None else self.k_max):
             return True
         if self.calibration is None:
             return False
         gated, tau = self.calibration.gate_tensors("cpu")
         return bool(gated[depth - 1]) and bool(scores[0].max().exp() < tau[depth - 1])
 
+    def _drafted_depth(self, tree: DraftTree) -> int:
+        """The deepest depth that has a valid node (drafting may have stopped early)."""
+        valid_depths = torch.where(tree.valid[0], tree.depth[0], torch.zeros_like(tree.depth[0]))
+        return int(valid_depths.max()) if valid_depths.numel() else 0
+
+    def _observe_auto(
+        self,
+        tree: DraftTree,
+        sel: BudgetSelection,
+        result,
+        verified_depth: torch.Tensor,
+        predicted: torch.Tensor | None,
+    ) -> None:
+        """The verification outcome for the time-aware budget: acceptance samples and the plan's record."""
+        assert self.budget is not None
+        d = self.max_depth
+        accepted = torch.zeros((1, d), dtype=torch.bool)
+        mask = result.accepted_depth_mask.to(torch.bool)
+        accepted[:, : mask.shape[1]] = mask
+        recorded = torch.arange(1, d + 1).unsqueeze(0) <= verified_depth.unsqueeze(1)
+        self.budget.acceptance.record(depth_confidence(tree), accepted, recorded)
+        self.budget.observe_selection(int(verified_depth[0]), int(sel.counts[0]))
+        self.metrics.record_plan(self._plan.depth, predicted)
+
     def _spec_step(self, pending: int, temperature: float, generator: torch.Generator) -> list[int]:
-        clock = time.perf_counter()
+        clock = started = time.perf_counter()
         tree = grow_tree(self.drafter, 1, self.max_depth, self.top_k, stop_after=self._stop_drafting)
         clock = self.phases.add("draft", clock)
-        sel, gates = self._budget(tree)
-        clock = self.phases.add("select", clock)
+        sel, gates, predicted = self._budget(tree)
+        clock = selected = self.phases.add("select", clock)
         count = int(sel.counts[0])
         base = self.target.cache_len
         inputs = verifier_inputs(tree, sel, torch.tensor([pending]))
@@ -280,16 +358,21 @@ class HFEngine:
         accepted = int(result.accepted_len[0])
         accepted_local = result.accepted_local[0, :accepted].long()
         emitted = result.accepted_tokens[0, : accepted + 1].tolist()
-        clock = self.phases.add("accept", clock)
+        clock = checked = self.phases.add("accept", clock)
         # Keep the target cache along the root + accepted path only.
         keep_rows = torch.cat([torch.zeros(1, dtype=torch.long), accepted_local + 1])
         self.target.keep_path(base, keep_rows)
         new_aux = aux[:, keep_rows]
         self.drafter.extend_context(new_aux, torch.tensor([emitted]), (base + torch.arange(accepted + 1)).unsqueeze(0))
         clock = self.phases.add("update_context", clock)
-        self.metrics.update(sel, result, self.k_max, depth_cap=gates.depth_cap, truncated=gates.truncated)
+        cap = self._plan.k_cap if self.budget is not None else self.k_max
+        self.metrics.update(sel, result, cap, depth_cap=gates.depth_cap, truncated=gates.truncated)
+        verified_depth = sel.order_depth.amax(dim=1)
+        if self.budget is not None:
+            self._observe_auto(tree, sel, result, verified_depth, predicted)
+            draft_s = (selected - started) + (clock - checked)  # growing the tree, choosing, the head's context
+            self._add_sample(count + 1, self._drafted_depth(tree), started, (checked - selected, draft_s))
         if self.recorder is not None and self.calibration is None:
-            verified_depth = sel.order_depth.amax(dim=1)
             self.recorder.record(depth_confidence(tree), result.accepted_depth_mask, verified_depth)
             self._maybe_calibrate()
         self.phases.add("bookkeeping", clock)

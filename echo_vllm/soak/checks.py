@@ -118,11 +118,11 @@ def last_echo_stats(log_path: Path) -> dict[str, Any] | None:
     calibration = re.search(r"calibration=(.*) sweet_spots=", line)  # the value may contain spaces
     if calibration:
         stats["calibration"] = calibration.group(1)
-    paren = re.search(r"\(mean sum ([\d.]+) / k_max (\d+), max sum (\d+), bound steps (\d+)\)", line)
+    paren = re.search(r"\(mean sum ([\d.]+) / k_max (\d+|auto), max sum (\d+), bound steps (\d+)\)", line)
     if paren:
         stats.update(
             mean_step_sum=float(paren.group(1)),
-            k_max=int(paren.group(2)),
+            k_max=int(paren.group(2)) if paren.group(2).isdigit() else paren.group(2),
             max_step_sum=int(paren.group(3)),
             budget_bound_steps=int(paren.group(4)),
         )

@@ -5,7 +5,16 @@ and the CPU platform spawns. Tests and benchmarks call `run_in_subprocess(job)`;
 
 A job is a JSON object: {"model", "prompts": [str] | "prompt_token_ids": [[int]], "max_tokens",
 "temperature", "seed", "sampling_seed" (per-request seed; null = none), "speculative_config" (dict or null),
-"max_num_seqs", "dtype", "extra": {LLM kwargs}}.
+"max_num_seqs", "dtype", "extra": {LLM kwargs},
+"warmup_prompts": [str] | "warmup_prompt_token_ids": [[int]] (optional), "warmup_max_tokens" (default max_tokens),
+"echo_stats": bool (echo jobs: return the worker's `EchoProposer.echo_stats()`, via `LLM.collective_rpc`)}.
+
+Warm-up (benchmarks): the warm-up prompts are generated once, untimed, in the same engine before the timed
+generate, with ignore_eos so that their length (and so the number of engine steps) is what the job asked for.
+ECHO calibrates its gates in its first `warmup_steps` verification steps; a warm-up long enough for that makes
+the timed part measure ECHO's steady state, and every method of a comparison gets the same warm-up. Counters
+and ECHO's statistics in the result cover the timed generate only (deltas of vLLM's counters; ECHO's
+statistics are reset after the warm-up; "step_log_offset" is where the timed part of ECHO_VLLM_STEP_LOG starts).
 """
 
 from __future__ import annotations
@@ -28,6 +37,65 @@ def _counter(metrics, name: str) -> float:
         if metric.name == name and hasattr(metric, "value"):
             total += float(metric.value)
     return total
+
+
+def _histogram_count(metrics, name: str) -> float:
+    return sum(float(m.count) for m in metrics if m.name == name and hasattr(m, "count"))
+
+
+# vLLM counters a job reports, as deltas over the timed generate: name in the result -> Prometheus name.
+_COUNTERS = {
+    "num_drafts": "vllm:spec_decode_num_drafts",
+    "num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+    "num_preemptions": "vllm:num_preemptions",
+    "prefix_cache_queries": "vllm:prefix_cache_queries",
+    "prefix_cache_hits": "vllm:prefix_cache_hits",
+}
+
+
+def _counters(llm) -> dict[str, float]:
+    metrics = llm.get_metrics()
+    values = {key: _counter(metrics, name) for key, name in _COUNTERS.items()}
+    # One observation per engine step (tokens scheduled in it): the step count of ms/step.
+    values["engine_steps"] = _histogram_count(metrics, "vllm:iteration_tokens_total")
+    return values
+
+
+def _echo_drafter_call(worker, action: str) -> Any:
+    """Runs on the worker (`LLM.collective_rpc`): ECHO's proposer statistics, or a reset of them.
+
+    Module-level so that a multiprocess executor can pickle it; the in-process uni executor calls it directly.
+    None when the drafter is not an EchoProposer (no echo job, or ECHO not installed in this worker).
+    """
+    drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
+    if drafter is None or not hasattr(drafter, "echo_stats"):
+        return None
+    if action == "stats":
+        return drafter.echo_stats()
+    if action == "reset":
+        # A proposer that owns more accumulators than EchoMetrics resets them all through reset_echo_stats.
+        if hasattr(drafter, "reset_echo_stats"):
+            drafter.reset_echo_stats()
+            return "reset_echo_stats"
+        drafter.stats.reset()
+        return "stats.reset"
+    raise ValueError(f"unknown ECHO rpc action {action!r}")
+
+
+def _echo_rpc(llm, action: str) -> Any:
+    """Rank 0's answer; an engine that refuses the call gives {"error": ...} instead of failing the job."""
+    try:
+        answers = llm.collective_rpc(_echo_drafter_call, args=(action,))
+    except Exception as err:  # noqa: BLE001 - statistics are a report, never a reason to lose the run
+        return {"error": f"collective_rpc failed: {type(err).__name__}: {err}"}
+    return answers[0] if answers else None
+
+
+def _step_log_size() -> int:
+    """Bytes in rank 0's ECHO step log now (0 if none): the timed part's records start there."""
+    path = (os.environ.get("ECHO_VLLM_STEP_LOG") or "").replace("{rank}", "0")
+    return os.path.getsize(path) if path and os.path.isfile(path) else 0
 
 
 def _shutdown_engine_process(llm) -> None:
@@ -66,26 +134,31 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         seed=job.get("sampling_seed", job.get("seed", 0)) if job.get("temperature", 0.0) > 0 else None,
         ignore_eos=job.get("ignore_eos", False),
     )
-    if "prompt_token_ids" in job:
-        prompts = [{"prompt_token_ids": ids} for ids in job["prompt_token_ids"]]
-    else:
-        prompts = job["prompts"]
+    # "echo_stats": true asks an echo job for the proposer's statistics (an rpc into the worker, so opt-in).
+    echo_stats_wanted = bool(job.get("echo_stats")) and (job.get("speculative_config") or {}).get("method") == "echo"
+    warmup = _warm_up(llm, job, params)
+    if warmup is not None and echo_stats_wanted:
+        warmup["echo_stats"] = _echo_rpc(llm, "stats")  # its "calibration" says whether the gates are in place
+        warmup["echo_reset"] = _echo_rpc(llm, "reset")
+    step_log_offset = _step_log_size()
+    before = _counters(llm)
     started = time.time()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(_prompts(job, "prompt_token_ids", "prompts"), params, use_tqdm=False)
     generate_seconds = time.time() - started
-    metrics = llm.get_metrics()
-    drafts = _counter(metrics, "vllm:spec_decode_num_drafts")
-    draft_tokens = _counter(metrics, "vllm:spec_decode_num_draft_tokens")
-    accepted = _counter(metrics, "vllm:spec_decode_num_accepted_tokens")
+    after = _counters(llm)
+    counts = {key: after[key] - before[key] for key in after}
+    drafts, draft_tokens, accepted = counts["num_drafts"], counts["num_draft_tokens"], counts["num_accepted_tokens"]
     # Scheduler events that tests of preemption and prefix caching must see happen.
-    scheduler = {
-        "num_preemptions": _counter(metrics, "vllm:num_preemptions"),
-        "prefix_cache_queries": _counter(metrics, "vllm:prefix_cache_queries"),
-        "prefix_cache_hits": _counter(metrics, "vllm:prefix_cache_hits"),
-    }
+    scheduler = {key: counts[key] for key in ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits")}
+    echo_stats = _echo_rpc(llm, "stats") if echo_stats_wanted else None
     token_ids = [list(o.outputs[0].token_ids) for o in outputs]
     _shutdown_engine_process(llm)
     return {
+        "warmup": warmup,
+        "engine_steps": counts["engine_steps"],
+        "echo_stats": echo_stats,
+        "step_log_offset": step_log_offset,
+        "torch_threads": _torch_threads(),
         "token_ids": token_ids,
         "texts": [o.outputs[0].text for o in outputs],
         "num_generated": sum(len(t) for t in token_ids),
@@ -101,6 +174,43 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             "accepted_per_draft_token": (accepted / draft_tokens) if draft_tokens else None,
         },
     }
+
+
+def _prompts(job: dict[str, Any], ids_key: str, text_key: str) -> list[Any]:
+    if ids_key in job:
+        return [{"prompt_token_ids": ids} for ids in job[ids_key]]
+    return list(job[text_key])
+
+
+def _warm_up(llm, job: dict[str, Any], params) -> dict[str, Any] | None:
+    """The untimed warm-up generate (see the module docstring); None when the job has no warm-up prompts."""
+    if "warmup_prompts" not in job and "warmup_prompt_token_ids" not in job:
+        return None
+    from vllm import SamplingParams
+
+    warm = SamplingParams(
+        max_tokens=job.get("warmup_max_tokens", params.max_tokens),
+        temperature=params.temperature,
+        seed=params.seed,
+        ignore_eos=True,  # a warm-up of the length asked for: ECHO's calibration counts its steps
+    )
+    prompts = _prompts(job, "warmup_prompt_token_ids", "warmup_prompts")
+    started = time.time()
+    outputs = llm.generate(prompts, warm, use_tqdm=False)
+    return {
+        "seconds": time.time() - started,
+        "num_prompts": len(prompts),
+        "num_generated": sum(len(o.outputs[0].token_ids) for o in outputs),
+    }
+
+
+def _torch_threads() -> int | None:
+    try:
+        import torch
+
+        return int(torch.get_num_threads())
+    except ImportError:
+        return None
 
 
 def _run_child(stdin: str, env: dict[str, str], timeout: float, own_group: bool) -> subprocess.CompletedProcess:

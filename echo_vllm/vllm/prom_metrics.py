@@ -3,13 +3,15 @@
 `SERIES` is the one table of names, kinds, labels and meanings (docs/observability.md and the Grafana
 dashboard in deploy/grafana are checked against it). `PromExporter` fills them from the proposer:
 
-* every step, from the host lists the step already has (`counts`, K_max): the step counter, the budget used
-  against K_max, the per-request verify-length histogram (K_i per request-step) and the draft-phase time
-  (measured by EchoVerificationFeedbackPatch around the runner's drafting);
+* every step, from the host lists the step already has (`counts`, the step's budget): the step counter, the
+  budget used against the step's budget (K_max, or the time-aware budget's per-step choice under `k_max: "auto"`),
+  the per-request verify-length histogram (K_i per request-step) and the draft-phase time (measured by
+  EchoVerificationFeedbackPatch around the runner's drafting);
 * every `ECHO_VLLM_METRICS_INTERVAL` seconds (default 1) of drafting, from the device accumulators (one host read,
   `EchoMetrics.totals()` and `echo_stats()`): accepted / verified / emitted tokens, gate truncations per depth,
   bound steps, calibration state, faults, and every other number `echo_stats()` has (the time-aware budget's keys
-  such as `cost_fit_error` or `budget_mode` when present; unknown numeric keys as `echo_vllm:stat{key=...}`).
+  such as `cost_fit_error`, `budget_mode` or `phase` when present; other numeric keys, and numbers one dict deep
+  such as `ms_per_step.draft`, as `echo_vllm:stat{key=...}`).
 
 Only TP rank 0 exports (every rank computes the same figures; counters would count each rank). Labels
 `model_name` and `engine` are vLLM's own (served model name, data-parallel rank), so ECHO's series join vLLM's.
@@ -38,6 +40,7 @@ PREFIX = "echo_vllm:"
 BASE_LABELS = ("model_name", "engine")
 CALIBRATION_STATES = ("warming_up", "calibrated", "loaded", "ungated")
 BUDGET_MODES = ("auto", "fixed")
+BUDGET_PHASES = ("warmup", "profile", "auto", "fixed")  # EchoProposer.phase
 # Seconds; the draft phase runs from well under a millisecond (CUDA, small batch) to ~1 s (CPU, large batch).
 TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, math.inf)
 
@@ -64,11 +67,12 @@ class Series:
 
 _SERIES = (
     # --- per step, from the host lists --------------------------------------------------------------------
-    Series("steps", "counter", "ECHO selection steps (engine steps that drafted)"),
+    Series("steps", "counter", "ECHO steps (engine steps the proposer ran, including budget-0 steps)"),
     Series("budget_draft_tokens", "counter", "Draft tokens ECHO chose for verification (sum_i K_i over steps)"),
-    Series("budget_capacity_tokens", "counter", "K_max summed over steps (budget_draft_tokens / this = budget used)"),
+    Series("budget_capacity_tokens", "counter", "Step budgets summed over steps (budget_draft_tokens / this = used)"),
     Series("step_draft_tokens", "gauge", "sum_i K_i of the last step (draft tokens it sent to verification)"),
-    Series("k_max", "gauge", "K_max of the last step: the batch-wide draft budget"),
+    Series("step_budget", "gauge", "The last step's budget: min(K_max, B x D), or the time-aware budget's choice"),
+    Series("k_max", "gauge", "The configured K_max (the budget ceiling); absent under k_max auto"),
     Series("max_depth", "gauge", "Draft depth D (num_speculative_tokens)"),
     Series("verify_length", "histogram", "K_i per request-step: draft tokens sent to verification per request"),
     Series(
@@ -96,6 +100,7 @@ _SERIES = (
     Series("realised_accepted_per_step", "gauge", "Accepted tokens per step realised"),
     Series("cost_fit_error", "gauge", "Fit error of the measured step-cost model"),
     Series("budget_mode", "gauge", "1 for the budget mode in use (auto / fixed)", ("mode",)),
+    Series("budget_phase", "gauge", "1 for the budget's phase (warmup / profile / auto / fixed)", ("phase",)),
     Series("stat", "gauge", "Any other numeric figure of EchoProposer.echo_stats(), by key", ("key",)),
 )
 SERIES: dict[str, Series] = {s.name: s for s in _SERIES}
@@ -116,6 +121,7 @@ _COVERED_KEYS = frozenset(
         "faults",
         "disabled",
         "budget_mode",
+        "phase",
         *OPTIONAL_GAUGES,
     }
 )
@@ -167,7 +173,7 @@ class NullExporter:
 
     enabled = False
 
-    def on_step(self, proposer: Any, counts: list[int]) -> None:
+    def on_step(self, proposer: Any, counts: list[int], budget: int | None = None) -> None:
         return None
 
     def observe_proposer_time(self, seconds: float) -> None:
@@ -212,9 +218,10 @@ class PromExporter:
 
     # -- entry points (the proposer's _account, the feedback patch) -------------------------------------------
 
-    def on_step(self, proposer: Any, counts: list[int]) -> None:
-        """One selection step: the host figures now; the device figures every `interval` seconds."""
-        self._guarded("a step's update", self._on_step, proposer, counts)
+    def on_step(self, proposer: Any, counts: list[int], budget: int | None = None) -> None:
+        """One step: K_i per request (`counts`) under the step's `budget` (default: the proposer's K_max); the
+        host figures now, the device figures every `interval` seconds."""
+        self._guarded("a step's update", self._on_step, proposer, counts, budget)
 
     def observe_proposer_time(self, seconds: float) -> None:
         self._guarded("the draft-phase timing", self._observe_time, seconds)
@@ -239,24 +246,28 @@ class PromExporter:
 
     def _publish_static(self, proposer: Any) -> None:
         self._g("max_depth", float(self.max_depth))
-        self._g("k_max", float(proposer.k_max))
+        k_max = _number(getattr(proposer, "k_max", None))  # None under k_max "auto"
+        if k_max is not None:
+            self._g("k_max", k_max)
         self._publish_calibration(proposer)
 
     def _observe_time(self, seconds: float) -> None:
         self.proposer_time.observe_many(Counter({seconds: 1}))
         self._h("proposer_seconds", self.proposer_time)
 
-    def _on_step(self, proposer: Any, counts: list[int]) -> None:
-        step_sum, k_max = sum(counts), int(proposer.k_max)
+    def _on_step(self, proposer: Any, counts: list[int], budget: int | None) -> None:
+        step_sum = sum(counts)
+        if budget is None:
+            budget = int(proposer.k_max)
         self.steps += 1
         self.draft_tokens += step_sum
-        self.capacity_tokens += k_max
+        self.capacity_tokens += budget
         self.verify_length.observe_many(Counter(counts))
         self._c("steps", self.steps)
         self._c("budget_draft_tokens", self.draft_tokens)
         self._c("budget_capacity_tokens", self.capacity_tokens)
         self._g("step_draft_tokens", float(step_sum))
-        self._g("k_max", float(k_max))
+        self._g("step_budget", float(budget))
         self._h("verify_length", self.verify_length)
         now = time.monotonic()
         if now - self._last_read >= self.interval:
@@ -289,15 +300,24 @@ class PromExporter:
                 self._g(key, value)
         self._c("faults", float(stats.get("faults", 0)))
         self._g("disabled", 1.0 if stats.get("disabled") else 0.0)
-        mode = stats.get("budget_mode")
-        if isinstance(mode, str):
-            for m in sorted({*BUDGET_MODES, mode}):
-                self._g("budget_mode", 1.0 if m == mode else 0.0, mode=m)
+        for series, key, known in (
+            ("budget_mode", "budget_mode", BUDGET_MODES),
+            ("budget_phase", "phase", BUDGET_PHASES),
+        ):
+            current = stats.get(key)
+            if isinstance(current, str):
+                label = SERIES[series].labels[0]
+                for state in sorted({*known, current}):
+                    self._g(series, 1.0 if state == current else 0.0, **{label: state})
         for key, raw in stats.items():
-            value = _number(raw)
-            if key in _COVERED_KEYS or value is None:
+            if key in _COVERED_KEYS:
                 continue
-            self._g("stat", value, key=key)
+            # numbers, and numbers one dict deep (e.g. ms_per_step: {"draft": ..., "select": ...})
+            items = raw.items() if isinstance(raw, dict) else [(None, raw)]
+            for sub, item in items:
+                value = _number(item)
+                if value is not None:
+                    self._g("stat", value, key=key if sub is None else f"{key}.{sub}")
 
 
 def _labels(vllm_config: Any) -> dict[str, str]:

@@ -15,6 +15,14 @@ Verification results come back through `observe_verification` (EchoVerificationF
 they feed the CalibrationRecorder; after `warmup_steps` recorded steps the gates are calibrated (and saved to
 `calibration_file` if it did not exist). What one step hands to the next is a `PendingVerification`.
 
+`k_max: "auto"` (the default) replaces the fixed cap by the time-aware budget (`echo_vllm.core.time_budget`):
+warm-up verifies everything, profile steps sweep draft depths and verified fractions to measure the step cost
+(`CostModel`, fitted from the step times measured here, refit periodically and broadcast from TP rank 0), and from
+then on every step verifies the prefix of ECHO's order that maximises expected tokens per second, with each node's
+acceptance probability from `AcceptanceModel`. The draft depth follows the recent budget (`DraftController`), and
+on CPU the draft loop ends as soon as no deeper node can be selected (`drafting_can_stop`, exact; on CUDA that
+test would cost a host sync per depth, so only the depth plan applies there).
+
 All decisions are functions of the batch's tensors (no randomness, no rank-local state): every TP rank drafts,
 gates and selects identically.
 """
@@ -32,16 +40,21 @@ from typing import Any
 
 import torch
 
-from echo_vllm.core.budget import add_surplus_tails, compact_selection
+from echo_vllm.core.auto_budget import DraftPlan, drafting_can_stop
+from echo_vllm.core.budget import BudgetSelection, add_surplus_tails, compact_selection
+from echo_vllm.core.budget_profile import default_profile_path
 from echo_vllm.core.calibration import Calibration, CalibrationRecorder, calibrate
+from echo_vllm.core.cost_model import StepSample
 from echo_vllm.core.gating import Gates, depth_confidence
 from echo_vllm.core.metrics import EchoMetrics
+from echo_vllm.core.time_budget import TimeAwareBudget
 from echo_vllm.core.tree import DraftTree
 from echo_vllm.ops import select_budget
 from echo_vllm.vllm import instance_attrs, prom_metrics
 from echo_vllm.vllm import spec as echo_spec
 from echo_vllm.vllm.faults import guard_from_env
 from echo_vllm.vllm.stats_log import format_startup_line, format_stats_line
+from echo_vllm.vllm.tp_share import broadcast_from_rank0
 
 try:  # vLLM imports: this module is only imported inside a vLLM worker (EchoDrafterPatch)
     from vllm.v1.spec_decode.eagle import EagleProposer
@@ -54,6 +67,10 @@ logger = logging.getLogger("vllm.echo_vllm")
 # rank, so every rank of a tensor-parallel engine writes its own file (TP tests compare them).
 STEP_LOG_ENV = "ECHO_VLLM_STEP_LOG"
 LOG_INTERVAL_ENV = "ECHO_VLLM_LOG_INTERVAL"  # seconds between periodic ECHO log lines (default 10)
+
+
+class _DraftingDone(Exception):
+    """Raised from `_sample_draft_tokens` to leave vLLM's draft loop early (caught in `propose`)."""
 
 
 def _tp_rank() -> int:
@@ -78,6 +95,8 @@ class PendingVerification:
 
 
 class EchoProposer(EagleProposer):
+    num_speculative_tokens: int  # vLLM's; `_draft` sets it per step and restores it
+
     def __init__(self, vllm_config, device, runner=None):
         super().__init__(vllm_config, device, runner)
         instance_attrs.require(self, instance_attrs.PROPOSER)  # vLLM drift fails at construction, not mid-step
@@ -87,7 +106,8 @@ class EchoProposer(EagleProposer):
         self.echo_settings = echo_spec.settings_from_payload(payload)
         max_depth: Any = payload.get("max_depth", self.num_speculative_tokens)
         self.max_depth = int(max_depth)
-        self.k_max = int(self.echo_settings.k_max)
+        self.auto = self.echo_settings.k_max == "auto"
+        self.k_max: int | None = None if self.auto else int(self.echo_settings.k_max)
         if self.echo_settings.top_k > 1:
             logger.info(
                 "ECHO: top_k=%d needs tree verification, which the plugin does not have in vLLM yet; drafting chains (top_k=1)",
@@ -124,11 +144,57 @@ class EchoProposer(EagleProposer):
         self._pending: PendingVerification | None = None
         # The same statistics as the HF engine's (device accumulators; read back at log time only).
         self.stats = EchoMetrics(d)
+        self._init_budget(device)
         self._step_log = (os.environ.get(STEP_LOG_ENV) or "").replace("{rank}", str(self.tp_rank)) or None
         self._log_interval = float(os.environ.get(LOG_INTERVAL_ENV, "10"))
         self._last_log = time.monotonic()
         self.prom = prom_metrics.exporter_for(self, vllm_config)  # ECHO's /metrics series (a no-op off rank 0)
         logger.info("%s", self._startup_line(device))
+
+    def _init_budget(self, device: Any) -> None:
+        """The time-aware budget (k_max 'auto') and the step timing both modes report."""
+        s = self.echo_settings
+        profile_path = (
+            Path(s.budget_profile_file).expanduser()
+            if s.budget_profile_file
+            else default_profile_path(s.calibration_file)
+        )
+        self.budget: TimeAwareBudget | None = None
+        if self.auto:
+            self.budget = TimeAwareBudget(
+                self.max_depth,
+                profile_steps=s.profile_steps,
+                probe_interval=s.probe_interval,
+                surplus_tail=s.surplus_tail,
+                profile_path=profile_path,
+                device=device,
+                is_writer=self.is_writer,
+                share=broadcast_from_rank0,
+            )
+        self._budget_logged = False
+        self._step_start: float | None = None
+        self._last_end: float | None = None
+        self._early_cap: int | None = None  # candidate cap of the early-exit test in this step's draft loop
+        self._draft_target = 0
+        self._step_tokens = 0
+        self._echo_ids: list[torch.Tensor] = []
+        self._last_accepted: list[int] = []  # step log only
+        self._last_times = (0.0, 0.0)  # (rest_s, draft_s) of the last timed step, step log only
+        self._plan = DraftPlan(self.max_depth, 0, False)
+        self._phase_seconds = {"draft": 0.0, "select": 0.0, "rest": 0.0}
+        self._timed_steps = 0
+        self._rest_timed_steps = 0
+
+    @property
+    def warming_up(self) -> bool:
+        return self.calibration is None and self.echo_settings.warmup_steps > 0
+
+    @property
+    def phase(self) -> str:
+        """warmup (calibrating the gates), profile (measuring step cost), auto (time-aware) or fixed (integer k_max)."""
+        if self.budget is None:
+            return "warmup" if self.warming_up else "fixed"
+        return self.budget.phase(self.warming_up)
 
     def _startup_line(self, device: Any) -> str:
         from echo_vllm.ops import active_implementation
@@ -153,40 +219,128 @@ class EchoProposer(EagleProposer):
 
         Always argmax, even with draft_sample_method='probabilistic': ECHO's drafts are deterministic (top-k), and
         the rejection sampler then verifies them with no draft probabilities (accept x with probability p(x),
-        resample from p without x), which is exact for deterministic drafts.
+        resample from p without x), which is exact for deterministic drafts. log p(argmax) = max logit -
+        logsumexp: no full-vocabulary log-softmax is materialised.
         """
         logits = self.model.compute_logits(hidden_states)
         if self.use_heterogeneous_vocab:
             logits = self.vocab_mapping.constrain_draft_logits(logits)
-        draft_ids, draft_probs = logits.argmax(dim=-1), None
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        self._echo_logps.append(logp.gather(-1, draft_ids.long().unsqueeze(-1)).squeeze(-1))
+        logits32 = logits.float()  # a no-op for float32 logits
+        top, draft_ids = logits32.max(dim=-1)
+        self._echo_logps.append(top - torch.logsumexp(logits32, dim=-1))
         if self.use_heterogeneous_vocab:
             draft_ids = self.vocab_mapping.map_draft_to_target_ids(draft_ids)
-        return draft_ids, draft_probs
+        self._echo_ids.append(draft_ids)
+        if self._early_cap is not None and len(self._echo_ids) < self._draft_target and self._can_stop():
+            raise _DraftingDone
+        return draft_ids, None
+
+    def _can_stop(self) -> bool:
+        """The exact early-exit test on the depths drafted so far (CPU tensors: the .item() is not a device sync)."""
+        assert self._early_cap is not None
+        logps = torch.stack(self._echo_logps, dim=1)
+        batch = min(logps.shape[0], self._runner.input_batch.num_reqs) if self._runner is not None else logps.shape[0]
+        scores = torch.cumsum(logps[:batch], dim=1)
+        valid = torch.isfinite(scores) & self._kept_rows(batch).unsqueeze(1)
+        gates = self._gates(torch.exp(torch.where(valid, scores, torch.full_like(scores, float("-inf")))))
+        return bool(drafting_can_stop(scores, valid, gates, self._early_cap, self.echo_settings.surplus_tail).item())
+
+    def _kept_rows(self, batch: int) -> torch.Tensor:
+        """[B] bool: rows whose drafts vLLM keeps (partial prefills' drafts are dropped)."""
+        discard = self._runner.discard_request_mask.gpu if self._runner is not None else None
+        if discard is not None and discard.shape[0] >= batch:
+            return ~discard[:batch].to(torch.bool)
+        return torch.ones(batch, dtype=torch.bool, device=self._depth.device)
+
+    def _gates(self, confidence: torch.Tensor) -> Gates:
+        """The gates on the depths drafted so far; gates of depths not drafted stay open (+inf confidence)."""
+        batch, depth = confidence.shape
+        pad = torch.full((batch, self.max_depth - depth), float("inf"), device=confidence.device)
+        return Gates.evaluate(torch.cat([confidence, pad], dim=1), self.calibration, self.echo_settings.surplus_width)
 
     def propose(self, num_speculative_tokens, *args, **kwargs):
         """vLLM's EAGLE-3 chain, then ECHO's gates and budget; any fault in here means no drafts this step."""
+        start = self._step_start if self._step_start is not None else time.perf_counter()
+        self._step_start = None
         if self.faults.disabled:
             self._pending = None
             return self._no_drafts()
         self._stage = "draft"
         try:
             self.faults.maybe_inject("draft")
-            self._echo_logps = []
-            drafts = super().propose(num_speculative_tokens, *args, **kwargs)
+            batch = self._runner.input_batch.num_reqs if self._runner is not None else 0
+            target = kwargs.get("target_token_ids")  # tokens of this step's target forward (the runner's keyword)
+            self._step_tokens = int(target.shape[0]) if isinstance(target, torch.Tensor) else batch
+            if self._last_end is not None:
+                self._last_times = (start - self._last_end, self._last_times[1])
+            self._before_drafting(batch)
+            drafts = self._draft(num_speculative_tokens, args, kwargs)
+            drafted = time.perf_counter()
             if not isinstance(drafts, torch.Tensor) or drafts.dim() != 2:
                 return drafts
             ragged = self._select(drafts)
+            self._after_step(start, drafted, batch, drafts.shape[1])
         except Exception as err:
             self._pending = None
             self.faults.record_fault(self._stage, err)
             if self.faults.should_raise:
                 raise
             return self._no_drafts()
+        finally:
+            self._early_cap = None
         if not self._feedback_faulted:
             self.faults.record_success()
         return ragged
+
+    def _draft(self, num_speculative_tokens: int, args: tuple, kwargs: dict) -> Any:
+        """vLLM's draft loop at this step's planned depth, left early when `_can_stop` says nothing deeper counts."""
+        plan = self._plan
+        depth = min(int(num_speculative_tokens), plan.depth)
+        self._echo_logps, self._echo_ids = [], []
+        self._draft_target = depth
+        on_cpu = self._depth.device.type == "cpu"
+        self._early_cap = plan.k_cap if (on_cpu and depth > 1) else None
+        try:
+            return super().propose(depth, *args, **kwargs)
+        except _DraftingDone:
+            return torch.stack(self._echo_ids, dim=1)
+        finally:
+            # vLLM's propose keeps the depth it was given; its dummy runs read it later: restore the configured one.
+            self.num_speculative_tokens = self.max_depth
+
+    def _before_drafting(self, batch: int) -> None:
+        """This step's draft plan (for 'auto' also the refit points: the same step on every TP rank)."""
+        ceiling = batch * self.max_depth
+        if self.budget is not None:
+            self._plan = self.budget.plan(batch, 1, self.warming_up, warmup_cap=ceiling)
+            cost = self.budget.cost_model
+            if cost is not None and not self._budget_logged:
+                self._budget_logged = True
+                logger.info(
+                    "ECHO budget: time-aware (k_max auto); cost model %s, fit error %.3f over %d samples",
+                    self.budget.source,
+                    cost.fit_error,
+                    cost.num_samples,
+                )
+        else:
+            self._plan = DraftPlan(self.max_depth, min(int(self.k_max or 0), ceiling), False)
+
+    def _after_step(self, start: float, drafted: float, batch: int, depth: int) -> None:
+        """Step timing: rest = since the last step's proposer ended, draft = this proposer call; a cost sample."""
+        end = time.perf_counter()
+        num_tokens = self._step_tokens
+        draft_s = end - start
+        self._phase_seconds["draft"] += drafted - start
+        self._phase_seconds["select"] += end - drafted
+        self._timed_steps += 1
+        if self._last_end is not None and batch > 0:
+            rest_s = start - self._last_end
+            self._last_times = (rest_s, draft_s)
+            self._phase_seconds["rest"] += rest_s
+            self._rest_timed_steps += 1
+            if self.budget is not None:
+                self.budget.add_sample(StepSample(num_tokens, batch, depth, rest_s, draft_s), self.warming_up)
+        self._last_end = end
 
     def _no_drafts(self) -> list[list[int]]:
         """Empty draft lists for every request of the batch: the scheduler then schedules plain decoding."""
@@ -197,39 +351,62 @@ class EchoProposer(EagleProposer):
         batch, depth = drafts.shape
         if depth == 0 or batch == 0:
             self._pending = None
+            self.stats.record_plan(0)
+            if self.budget is not None:
+                self.budget.observe_selection(0, 0)
+            if self._step_log and batch:  # plain steps belong to the record too (the oracle bound counts them)
+                self._write_step_log([0] * batch, batch, [[] for _ in range(batch)])
+            if batch:  # a budget-0 step on /metrics too (K_i = 0 for every request)
+                self.prom.on_step(self, [0] * batch, 0)
             return [[] for _ in range(batch)]
         logps = torch.stack(self._echo_logps[-depth:], dim=1)[:batch]  # [B, depth]
         tree = self._chain_tree(drafts, logps)
         self._stage = "gates"
         self.faults.maybe_inject("gates")
         confidence = depth_confidence(tree)
-        calibration = self.calibration if (self.calibration is not None and depth == self.max_depth) else None
-        gates = Gates.evaluate(confidence, calibration, self.echo_settings.surplus_width)
+        gates = self._gates(confidence)
         self._stage = "select"
         self.faults.maybe_inject("select")
-        if self.echo_settings.surplus_tail and batch * depth <= self.k_max:
-            # The budget cannot bind, and the loop above drafted all D tokens regardless of the gates: every
-            # valid draft is verified (Priority 3 would add every tail back), so skip the selection work.
-            # Chains: valid is a prefix per request (a -inf score stays -inf along the cumulative sum).
-            selection = compact_selection(tree.valid, tree.depth, tree.parent)
-        else:
-            selection = select_budget(tree, gates, self.k_max)
-            if self.echo_settings.surplus_tail:
-                # Below the budget a truncated tail is free to verify and can only add accepted tokens; above
-                # it, the tails are what is cut.
-                selection = add_surplus_tails(selection, tree, gates, self.k_max)
+        cap = self._plan.k_cap
+        selection, predicted = (
+            self.budget.select(tree, gates, batch, self._plan, self.warming_up)
+            if self.budget is not None
+            else (None, None)
+        )
+        if selection is None:
+            selection = self._capped_selection(tree, gates, cap)
+
         # The one host sync of the step: the ragged drafts must reach the scheduler as Python lists.
         counts = selection.counts.tolist()
         tokens = drafts.tolist()
         ragged = [row[:c] for row, c in zip(tokens, counts)]
         req_ids = list(self._runner.input_batch.req_ids[:batch]) if self._runner is not None else []
-        self._pending = PendingVerification({rid: i for i, rid in enumerate(req_ids)}, confidence)
+        padded = torch.zeros((batch, self.max_depth), dtype=confidence.dtype, device=confidence.device)
+        padded[:, :depth] = confidence
+        self._pending = PendingVerification({rid: i for i, rid in enumerate(req_ids)}, padded)
         step_sum = sum(counts)
-        if step_sum > self.k_max:  # select_budget guarantees this; a violation is a bug, never silent
+        if self.k_max is not None and step_sum > self.k_max:  # select_budget guarantees this; never silent
             raise AssertionError(f"ECHO budget violated: sum of drafts {step_sum} > k_max {self.k_max}")
-        self.stats.record_selection(selection.counts, self.k_max, gates.depth_cap, gates.truncated)  # no sync
+        self.stats.record_selection(selection.counts, cap, gates.depth_cap, gates.truncated)  # no sync
+        self.stats.record_plan(depth, predicted)
+        if self.budget is not None:
+            self.budget.observe_selection(max(counts, default=0), step_sum)
         self._account(counts, batch, ragged)
         return ragged
+
+    def _capped_selection(self, tree: DraftTree, gates: Gates, cap: int) -> BudgetSelection:
+        """ECHO's fixed rule: the first `cap` candidates (integer k_max, and the warm-up of 'auto')."""
+        batch, depth = tree.scores.shape
+        if self.echo_settings.surplus_tail and batch * depth <= cap:
+            # The budget cannot bind: every valid draft is verified (Priority 3 would add every tail back), so
+            # skip the selection work. Chains: valid is a prefix per request (-inf stays -inf along the cumsum).
+            return compact_selection(tree.valid, tree.depth, tree.parent)
+        selection = select_budget(tree, gates, cap)
+        if self.echo_settings.surplus_tail:
+            # Below the budget a truncated tail is free to verify and can only add accepted tokens; above it, the
+            # tails are what is cut.
+            selection = add_surplus_tails(selection, tree, gates, cap)
+        return selection
 
     def _chain_tree(self, drafts: torch.Tensor, logps: torch.Tensor) -> DraftTree:
         batch, depth = drafts.shape
@@ -254,7 +431,9 @@ class EchoProposer(EagleProposer):
 
     def observe_verification(self, req_ids: list[str], sampled_token_ids: Any, spec_decode_metadata: Any) -> None:
         """Last step's verification result -> counters and (during warm-up) calibration samples; faults contained."""
+        self._step_start = time.perf_counter()  # the proposer's part of the step starts here
         self._feedback_faulted = False
+        self._last_accepted = []
         if self.faults.disabled:
             return
         try:
@@ -286,9 +465,14 @@ class EchoProposer(EagleProposer):
             emitted = torch.tensor([len(sampled_token_ids[r[0]]) for r in rows], dtype=torch.long, device=device)
         accepted = (emitted - 1).clamp(min=0)
         self.stats.record_verification(emitted, accepted, verified, depth=verified)  # chains: depth = K_i
-        if self.calibration is None and self.echo_settings.warmup_steps > 0 and confidence.shape[1] == self.max_depth:
-            d = self.max_depth
-            mask = torch.arange(d, device=device).unsqueeze(0) < accepted.unsqueeze(1)
+        if self._step_log:
+            self._last_accepted = accepted.tolist()  # debug log only: a host sync
+        d = self.max_depth
+        depths = torch.arange(d, device=device).unsqueeze(0)
+        mask = depths < accepted.unsqueeze(1)
+        if self.budget is not None:
+            self.budget.acceptance.record(confidence[old], mask, depths < verified.unsqueeze(1))
+        if self.calibration is None and self.echo_settings.warmup_steps > 0:
             self.recorder.record(confidence[old], mask, verified)
             self.warmup_recorded += 1
             if self.warmup_recorded >= self.echo_settings.warmup_steps:
@@ -324,38 +508,68 @@ class EchoProposer(EagleProposer):
 
     def _account(self, counts: list[int], batch: int, ragged: list[list[int]]) -> None:
         """The debug step log and the periodic stats line (host work on the host lists of this step)."""
-        step_sum = sum(counts)
         if self._step_log:
-            # The selection hash covers every request's chosen draft tokens: equal hashes on every TP rank in
-            # every step mean the ranks made the same budget decision (vLLM uses only the output rank's lists).
-            selection_hash = hashlib.sha1(json.dumps(ragged).encode()).hexdigest()[:16]
-            record = {
-                "step": self.stats.steps,
-                "rank": self.tp_rank,
-                "k_max": self.k_max,
-                "sum": step_sum,
-                "batch": batch,
-                "counts": counts,
-                "selection_hash": selection_hash,
-                "calibrated": self.calibration is not None,
-            }
-            with open(self._step_log, "a") as fh:
-                fh.write(json.dumps(record) + "\n")
-        self.prom.on_step(self, counts)
+            self._write_step_log(counts, batch, ragged)
+        self.prom.on_step(self, counts, self._plan.k_cap)
         now = time.monotonic()
         if now - self._last_log >= self._log_interval:
             self._last_log = now
             logger.info("%s", format_stats_line(self.echo_stats()))
 
+    def _write_step_log(self, counts: list[int], batch: int, ragged: list[list[int]]) -> None:
+        """One JSON line per step (ECHO_VLLM_STEP_LOG): budget evidence for tests, the oracle bound's input."""
+        assert self._step_log is not None
+        # The selection hash covers every request's chosen draft tokens: equal hashes on every TP rank in every
+        # step mean the ranks made the same budget decision (vLLM uses only the output rank's lists).
+        selection_hash = hashlib.sha1(json.dumps(ragged).encode()).hexdigest()[:16]
+        record = {
+            "step": self.stats.steps,
+            "rank": self.tp_rank,
+            "k_max": self.k_max if self.k_max is not None else "auto",
+            "phase": self.phase,
+            "k_cap": self._plan.k_cap,
+            "sum": sum(counts),
+            "batch": batch,
+            "counts": counts,
+            "selection_hash": selection_hash,
+            "calibrated": self.calibration is not None,
+            "draft_depth": self._plan.depth,  # planned
+            "drafted_depth": len(self._echo_ids),  # drafted (the early exit may stop sooner)
+            "num_tokens": self._step_tokens,  # tokens in this step's target forward
+            "accepted": self._last_accepted,  # accepted drafts per verified request, of this step's forward
+            "rest_s": self._last_times[0],  # this step's time outside the proposer
+            "draft_s": self._last_times[1],  # the previous step's proposer time (this one is still running)
+        }
+        with open(self._step_log, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
     def echo_stats(self) -> dict[str, Any]:
         """The statistics as a dict (one host sync): EchoMetrics' figures, calibration and faults."""
+        ms = {
+            k: 1000.0 * v / max(1, self._rest_timed_steps if k == "rest" else self._timed_steps)
+            for k, v in self._phase_seconds.items()
+        }
         return {
             **self.stats.summary(),
-            "k_max": self.k_max,
+            "k_max": self.k_max if self.k_max is not None else "auto",
+            "budget_mode": "fixed",
+            "phase": self.phase,
+            "cost_fit_error": None,
+            "cost_model": None,
+            "budget_source": "none",
+            "budget_profile_file": None,
+            **(self.budget.summary(self.warming_up) if self.budget is not None else {}),
+            "ms_per_step": ms,
             "calibration": self.calibration_source,
             "sweet_spots": self.calibration.sweet_spots if self.calibration is not None else [],
             **self.faults.summary(),
         }
+
+    def reset_echo_stats(self) -> None:
+        """Start the statistics afresh (benchmarks: after their untimed warm-up); decisions keep their state."""
+        self.stats.reset()
+        self._phase_seconds = dict.fromkeys(self._phase_seconds, 0.0)
+        self._timed_steps = self._rest_timed_steps = 0
 
     def format_stats(self) -> str:
         return format_stats_line(self.echo_stats())

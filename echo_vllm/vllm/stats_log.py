@@ -15,13 +15,17 @@ _LINE = (
     STATS_PREFIX + " steps={steps} budget_used={budget_used:.3f} (mean sum {mean_step_sum:.2f} / k_max {k_max}, "
     "max sum {max_step_sum}, bound steps {budget_bound_steps}) MAT={mat:.3f} utilization={utilization:.3f} "
     "accepted/verified={accepted_per_verified_draft:.3f} truncations_per_depth={truncations_per_depth} "
-    "calibration={calibration} sweet_spots={sweet_spots} faults={faults} disabled={disabled}"
+    "calibration={calibration} sweet_spots={sweet_spots} faults={faults} disabled={disabled} "
+    "budget={budget_mode} phase={phase} draft_depth={mean_draft_depth:.2f} "
+    "accepted/step predicted={predicted_accepted_per_step:.2f} realised={realised_accepted_per_step:.2f} "
+    "cost_fit_error={fit_error}"
 )
 
 
 def format_stats_line(stats: dict[str, Any]) -> str:
     """One line: budget use, MAT, utilization, acceptance, truncations, calibration state and faults."""
-    return _LINE.format(**stats)
+    fit = stats.get("cost_fit_error")
+    return _LINE.format(**{"fit_error": "none" if fit is None else f"{fit:.3f}", **stats})
 
 
 STARTUP_PREFIX = "ECHO proposer:"

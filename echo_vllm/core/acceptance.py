@@ -1,0 +1,113 @@
+"""The acceptance model of the time-aware budget: P(a drafted node is accepted | its depth, its confidence).
+
+The calibration already records, per verified request-step and depth d, (c_{i,d}, accepted_{i,d}): the depth
+confidence and whether the accepted path reached depth d. For a chain (vLLM's drafts) that is exactly the event
+"the depth-d node is accepted", so the model is a table over (depth, confidence bin):
+    p[d, j] = (accepted[d, j] + m * c_j) / (seen[d, j] + m)
+with c_j the bin centre and m = `prior_strength`: with no samples the draft's own confidence is the estimate (a
+well-trained head is roughly calibrated), and the measured rate takes over as samples come in. `node_gain`
+turns a tree's path scores into each node's probability of being accepted, capped by its parent's (a path cannot
+be accepted more often than its prefix).
+
+Counts are device tensors updated in place (`record`, no host sync); the table is recomputed at `refresh()`,
+which the proposer calls at its refit points, so every TP rank uses the same table at the same step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+DEFAULT_BINS = 16
+DEFAULT_PRIOR_STRENGTH = 4.0
+
+
+class AcceptanceModel:
+    def __init__(
+        self,
+        max_depth: int,
+        *,
+        num_bins: int = DEFAULT_BINS,
+        prior_strength: float = DEFAULT_PRIOR_STRENGTH,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if max_depth < 1 or num_bins < 1 or prior_strength <= 0:
+            raise ValueError("AcceptanceModel needs max_depth >= 1, num_bins >= 1 and prior_strength > 0")
+        self.max_depth = max_depth
+        self.num_bins = num_bins
+        self.prior_strength = float(prior_strength)
+        self.device = torch.device(device)
+        self.accepted = torch.zeros((max_depth, num_bins), dtype=torch.float64, device=self.device)
+        self.seen = torch.zeros((max_depth, num_bins), dtype=torch.float64, device=self.device)
+        self.centres = (torch.arange(num_bins, dtype=torch.float64, device=self.device) + 0.5) / num_bins
+        self.table = self.centres.to(torch.float32).expand(max_depth, num_bins).clone()
+
+    def _bins(self, confidence: torch.Tensor) -> torch.Tensor:
+        c = torch.nan_to_num(confidence.to(torch.float32), nan=0.0).clamp(0.0, 1.0)
+        return (c * self.num_bins).long().clamp(max=self.num_bins - 1)
+
+    def record(self, confidence: torch.Tensor, accepted: torch.Tensor, recorded: torch.Tensor) -> None:
+        """Add samples: confidence, accepted, recorded [B, D] (recorded = the depth was verified for the row)."""
+        depth = confidence.shape[1]
+        if depth > self.max_depth or accepted.shape != confidence.shape or recorded.shape != confidence.shape:
+            raise ValueError(
+                f"confidence, accepted and recorded must be [B, <= {self.max_depth}] alike; got "
+                f"{tuple(confidence.shape)}, {tuple(accepted.shape)}, {tuple(recorded.shape)}"
+            )
+        rows = torch.arange(depth, device=confidence.device).expand_as(confidence)
+        flat = (rows * self.num_bins + self._bins(confidence)).reshape(-1).to(self.device)
+        keep = recorded.reshape(-1).to(self.device, torch.float64)
+        hit = (accepted.reshape(-1).to(self.device, torch.bool)).to(torch.float64) * keep
+        self.seen.view(-1).index_add_(0, flat, keep)
+        self.accepted.view(-1).index_add_(0, flat, hit)
+
+    def refresh(self) -> None:
+        m = self.prior_strength
+        self.table = ((self.accepted + m * self.centres) / (self.seen + m)).to(torch.float32)
+
+    def node_gain(self, tree: Any) -> torch.Tensor:
+        """[B, N] probability that each node of `tree` (a DraftTree) is accepted: the table at the node's depth and
+        its own path confidence exp(score), capped by its parent's (a path is never accepted more often than its
+        prefix); 0 for invalid nodes. Parents precede children (depth-major rows), so D passes settle the caps."""
+        scores, depth = tree.scores, tree.depth.long()
+        usable = tree.valid & ~torch.isnan(scores)
+        conf = torch.exp(torch.where(usable, scores.float(), torch.full_like(scores.float(), float("-inf"))))
+        table = self.table.to(scores.device)
+        row = (depth - 1).clamp(0, self.max_depth - 1)
+        p = torch.where(usable, table[row, self._bins(conf)], torch.zeros_like(conf))
+        parent = tree.parent.long()
+        has_parent = parent >= 0
+        for _ in range(int(tree.max_depth) - 1):
+            parent_p = torch.gather(p, 1, parent.clamp(min=0))
+            p = torch.where(has_parent, torch.minimum(p, parent_p), p)
+        return p
+
+    # -- JSON (inside the budget profile) ---------------------------------------------------------------------
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {
+            "num_bins": self.num_bins,
+            "prior_strength": self.prior_strength,
+            "accepted": self.accepted.cpu().tolist(),
+            "seen": self.seen.cpu().tolist(),
+        }
+
+    @classmethod
+    def from_json_dict(
+        cls, data: dict[str, Any], max_depth: int, device: torch.device | str = "cpu"
+    ) -> AcceptanceModel:
+        model = cls(
+            max_depth, num_bins=int(data["num_bins"]), prior_strength=float(data["prior_strength"]), device=device
+        )
+        accepted = torch.tensor(data["accepted"], dtype=torch.float64)
+        seen = torch.tensor(data["seen"], dtype=torch.float64)
+        shape = (max_depth, model.num_bins)
+        if accepted.shape != shape or seen.shape != shape:
+            raise ValueError(f"acceptance tables must be {max_depth} x {model.num_bins}; got {tuple(seen.shape)}")
+        if (seen < 0).any() or (accepted < 0).any() or (accepted > seen).any():
+            raise ValueError("acceptance counts must satisfy 0 <= accepted <= seen")
+        model.accepted.copy_(accepted)
+        model.seen.copy_(seen)
+        model.refresh()
+        return model

@@ -1,0 +1,229 @@
+"""The time-aware per-step budget (`k_max: "auto"`): how many of ECHO's candidates to verify this step.
+
+ECHO's priority order is unchanged: every node gets its rank in the total order of `echo_vllm.core.budget`
+(class: depth extension, then width, then - with `surplus_tail` - the drafted tails of truncated requests; then
+path score descending, depth ascending, flat index). The fixed rule verifies the first K_max. The time-aware rule
+verifies the first K, with K chosen to maximise the expected tokens per second of the step that verifies them:
+    rate(K) = (B + sum_{j < K} g_j) / (rest(B + K, B) + draft(B, d))
+where g_j is the j-th candidate's probability of being accepted (`AcceptanceModel`) and the denominator the
+`CostModel`. K = 0 is allowed (plain decoding for the step); the first maximum wins (the cheapest of equals).
+Ties of the rank with the fixed rule's: `select_by_rank(rank, eligible, K)` equals
+`add_surplus_tails(select_budget(tree, gates, K), tree, gates, K)` (tested), so a fixed K_max and the chosen K
+select through the same order.
+
+`drafting_can_stop` is the exact early exit of the draft loop for chains: once no node deeper than the current
+depth can be among the first `k_cap` candidates, drafting on cannot change the selection.
+`DraftController` picks each step's draft depth and candidate cap from the recent budget (host integers only),
+with a periodic probe at full depth so that the acceptance statistics stay fresh.
+No vLLM import here; no host sync except where a docstring says so.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+import torch
+
+from .budget import CLASS_DEPTH, CLASS_WIDTH, BudgetSelection, candidate_class, compact_selection, total_order_rank
+from .gating import Gates
+from .tree import DraftTree
+
+CLASS_TAIL = 2
+CLASS_NONE = 3
+
+
+def priority_rank(tree: DraftTree, gates: Gates, surplus_tail: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rank [B, N] int64, eligible [B, N] bool): each node's position in ECHO's order; ineligible nodes rank last."""
+    scores = tree.scores
+    cls = candidate_class(scores, tree.depth, tree.valid, tree.spine, gates.depth_cap, gates.widen)
+    prio = torch.where(
+        (cls == CLASS_DEPTH) | (cls == CLASS_WIDTH), cls, torch.full_like(cls, CLASS_NONE)
+    )  # candidate_class's "excluded" becomes NONE (3), so that tails can sit between width and the rest
+    if surplus_tail:
+        tail = (
+            tree.valid
+            & tree.spine
+            & gates.truncated.unsqueeze(1)
+            & (tree.depth > gates.depth_cap.unsqueeze(1))
+            & ~torch.isnan(scores)
+        )
+        prio = torch.where(tail, torch.full_like(prio, CLASS_TAIL), prio)
+    # +0.0 folds -0.0 into 0.0, as the selection does.
+    rank = total_order_rank(prio.reshape(-1), (scores + 0.0).reshape(-1), tree.depth.reshape(-1))
+    return rank.reshape(scores.shape), prio != CLASS_NONE
+
+
+def select_by_rank(
+    tree: DraftTree, rank: torch.Tensor, eligible: torch.Tensor, k: torch.Tensor | int
+) -> BudgetSelection:
+    """The first `k` eligible candidates (k may be a 0-d tensor: no host sync)."""
+    return compact_selection(eligible & (rank < k), tree.depth, tree.parent)
+
+
+def in_rank_order(rank: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """[B * N]: position j holds the value of the node of rank j."""
+    flat_rank = rank.reshape(-1)
+    ordered = torch.empty(flat_rank.numel(), dtype=values.dtype, device=rank.device)
+    ordered.scatter_(0, flat_rank, values.reshape(-1))
+    return ordered
+
+
+class BudgetChoice(NamedTuple):
+    depth: torch.Tensor  # 0-d int64: the deepest depth the choice may use (its drafting cost is charged)
+    last_position: torch.Tensor  # 0-d int64: candidates of rank <= this (and depth <= `depth`) are selected; -1 none
+    k: torch.Tensor  # 0-d int64: drafts selected
+    predicted_accepted: torch.Tensor  # 0-d float64: expected accepted drafts of the selection
+
+
+def choose_budget(
+    ordered_gains: torch.Tensor,
+    ordered_depth: torch.Tensor,
+    ordered_eligible: torch.Tensor,
+    rest_seconds: torch.Tensor,
+    draft_seconds: torch.Tensor,
+    *,
+    base_tokens: float,
+    k_cap: int,
+    k_min: int = 0,
+) -> BudgetChoice:
+    """The (draft depth d, prefix of ECHO's order) with the highest expected tokens per second (no host sync).
+
+    ordered_* [M]: gain, depth and eligibility of the candidates in rank order; rest_seconds [M + 1]: predicted
+    seconds outside the proposer of a step verifying k = 0..M drafts; draft_seconds [D + 1]: drafting to depth
+    0..D. For each d the candidates deeper than d drop out and the rate of every prefix of the rest is
+    (base + sum of gains) / (rest(k) + draft(d)); plain decoding (k = 0 at d = 0) comes first, so among equal
+    rates the cheapest wins. k_cap bounds and k_min (probe steps) floors the count.
+    """
+    device = ordered_gains.device
+    m = ordered_gains.numel()
+    levels = torch.arange(draft_seconds.numel(), device=device)
+    mask = ordered_eligible.unsqueeze(0) & (ordered_depth.unsqueeze(0) <= levels.unsqueeze(1))  # [D + 1, M]
+    gain = torch.cumsum(mask.to(torch.float64) * ordered_gains.to(torch.float64).unsqueeze(0), dim=1)
+    count = torch.cumsum(mask.to(torch.int64), dim=1)
+    rest = rest_seconds.to(device, torch.float64)
+    draft = draft_seconds.to(device, torch.float64)
+    rate = (base_tokens + gain) / (rest[count] + draft.unsqueeze(1)).clamp(min=1e-12)
+    allowed = mask & (count <= k_cap) & (count >= k_min)
+    rate = torch.where(allowed, rate, torch.full_like(rate, float("-inf")))
+    plain = (base_tokens / (rest[0] + draft[0]).clamp(min=1e-12)).reshape(1)
+    if k_min > 0:
+        plain = torch.full_like(plain, float("-inf"))
+    flat = torch.cat([plain, rate.reshape(-1)])
+    pick = torch.argmax(flat)  # the first maximum: plain decoding, then shallower, then shorter prefixes
+    cell = (pick - 1).clamp(min=0)
+    depth, position = cell // max(m, 1), cell % max(m, 1)
+    is_plain = pick == 0
+    k = torch.where(is_plain, torch.zeros_like(pick), count.reshape(-1)[cell] if m else torch.zeros_like(pick))
+    predicted = torch.where(
+        is_plain, torch.zeros((), dtype=torch.float64, device=device), gain.reshape(-1)[cell] if m else 0.0
+    )
+    return BudgetChoice(
+        torch.where(is_plain, torch.zeros_like(depth), depth),
+        torch.where(is_plain, torch.full_like(position, -1), position),
+        k,
+        predicted,
+    )
+
+
+class AutoSelection(NamedTuple):
+    selection: BudgetSelection
+    choice: BudgetChoice
+
+
+def select_auto(
+    tree: DraftTree,
+    gates: Gates,
+    gains: torch.Tensor,
+    rest_seconds: torch.Tensor,
+    draft_seconds: torch.Tensor,
+    *,
+    base_tokens: float,
+    k_cap: int,
+    surplus_tail: bool,
+    k_min: int = 0,
+) -> AutoSelection:
+    """ECHO's order, cut where expected tokens per second peak (see `choose_budget` and the module docstring).
+
+    gains [B, N]: each node's probability of being accepted; rest_seconds [B * N + 1]; draft_seconds [D + 1].
+    """
+    rank, eligible = priority_rank(tree, gates, surplus_tail)
+    choice = choose_budget(
+        in_rank_order(rank, gains.to(torch.float64)),
+        in_rank_order(rank, tree.depth.to(torch.int64)),
+        in_rank_order(rank, eligible),
+        rest_seconds,
+        draft_seconds,
+        base_tokens=base_tokens,
+        k_cap=k_cap,
+        k_min=k_min,
+    )
+    chosen = eligible & (rank <= choice.last_position) & (tree.depth <= choice.depth)
+    return AutoSelection(compact_selection(chosen, tree.depth, tree.parent), choice)
+
+
+def drafting_can_stop(
+    scores: torch.Tensor, valid: torch.Tensor, gates: Gates, k_cap: int, surplus_tail: bool
+) -> torch.Tensor:
+    """0-d bool: drafting deeper than the current depth d cannot change the first `k_cap` candidates (chains).
+
+    scores, valid [B, d]: the chains' cumulative path scores so far; gates: evaluated on the depths drafted so
+    far (gates of deeper depths treated as open). Deeper nodes of an untruncated request are depth candidates with
+    scores <= its frontier score f (log-probs <= 0), so they rank after every current depth candidate scoring >= f
+    (equal scores: the shallower first): if k_cap of those exist, none enters. Deeper nodes of a truncated request
+    are tails, ranked after every depth candidate: none enters once k_cap depth candidates exist. A gate that
+    closes deeper only turns deeper nodes into tails, so the test stays exact. (Chains have no width candidates.)
+    """
+    batch, depth = scores.shape
+    if depth == 0 or batch == 0:
+        return torch.tensor(False)
+    usable = valid & ~torch.isnan(scores)
+    depths = torch.arange(1, depth + 1, device=scores.device, dtype=torch.int32)
+    in_cap = depths.unsqueeze(0) <= gates.depth_cap.unsqueeze(1)
+    candidates = usable & in_cap
+    num_candidates = candidates.sum()
+    frontier_open = usable[:, -1]
+    depth_open = frontier_open & ~gates.truncated
+    tail_open = frontier_open & gates.truncated
+    neg_inf = torch.full_like(scores[:, -1], float("-inf"))
+    best_frontier = torch.where(depth_open, scores[:, -1], neg_inf).max()
+    ahead = (candidates & (scores >= best_frontier)).sum()
+    depth_done = ~depth_open.any() | (ahead >= k_cap)
+    tails_done = ~(surplus_tail & (tail_open.any() | depth_open.any())) | (num_candidates >= k_cap)
+    return depth_done & tails_done
+
+
+class DraftPlan(NamedTuple):
+    depth: int  # draft depth for this step (0 = no drafts, the drafter's first pass still runs)
+    k_cap: int  # at most this many candidates may be verified
+    probe: bool  # a probe step: full depth, and at least one draft per request verified
+
+
+class DraftController:
+    """Each step's draft depth and candidate cap from the recent budget (host integers the step already has).
+
+    depth: the deepest depth selected in the last `window` steps (0 when nothing was), D on probe steps (every
+    `probe_interval` steps: where the budget can grow again) and until the first selection. k_cap: twice the
+    largest recent budget, at least the batch size (a trust region that can double per step), the ceiling on
+    probes. Decisions depend on step counts and selections only, which every TP rank shares.
+    """
+
+    def __init__(self, max_depth: int, *, window: int = 8, probe_interval: int = 16) -> None:
+        self.max_depth = max_depth
+        self.probe_interval = probe_interval
+        self._deepest: deque[int] = deque(maxlen=window)
+        self._budget: deque[int] = deque(maxlen=window)
+        self.steps = 0
+
+    def plan(self, batch: int, ceiling: int) -> DraftPlan:
+        """ceiling: the most candidates this step can have (B x nodes per request)."""
+        probe = self.probe_interval > 0 and self.steps % self.probe_interval == self.probe_interval - 1
+        if probe or not self._deepest:
+            return DraftPlan(self.max_depth, ceiling, probe)
+        depth = min(self.max_depth, max(self._deepest))
+        return DraftPlan(depth, min(ceiling, max(2 * max(self._budget), batch)), False)
+
+    def observe(self, deepest_selected: int, budget: int) -> None:
+        self._deepest.append(deepest_selected)
+        self._budget.append(budget)
+        self.steps += 1

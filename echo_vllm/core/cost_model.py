@@ -1,0 +1,208 @@
+"""A measured cost model of one engine step, for the time-aware budget (`k_max: "auto"`).
+
+One step of a speculative engine costs
+    step_seconds(N, B, d) = rest(N, B) + draft(B, d)
+where N is the number of tokens in the step's target forward (B running requests plus the drafts verified plus
+prefill chunks), B the number of running requests and d the draft depth drafted in the step.
+  rest(N, B)  = everything outside the proposer (scheduler, target forward, sampling and acceptance, host work):
+                a piecewise-linear, non-decreasing curve in N over power-of-two knots (flat below the hardware's
+                saturation knee on a GPU, about linear on a small CPU) plus a per-request term;
+  draft(B, d) = a + b B + d (c + e B): the drafter's first pass plus d - 1 chained passes at batch B.
+
+The samples are the step times the proposer observes (`StepSample`); `fit_cost_model` fits both parts with a few
+Huber-reweighted least-squares passes (robust to the +-20 % noise and to the odd idle gap), a second-difference
+ridge so that knots without samples interpolate their neighbours, then clamps the curve to be non-decreasing.
+`CostModel` is a frozen value: the proposer replaces it at refit points (identically on every TP rank: rank 0's
+fit is broadcast as `to_vector()`), saves it as JSON (`budget_profile.py`) and reloads it at start.
+No vLLM import here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+MAX_KNOT_EXPONENT = 16  # knots 1, 2, 4, ..., 65536 tokens: more than any step's max_num_batched_tokens here
+DRAFT_TERMS = 4  # a, b, c, e of draft(B, d)
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One observed engine step: tokens in its target forward, running requests, draft depth drafted, and the
+    seconds spent outside (`rest_s`) and inside (`draft_s`) the proposer."""
+
+    num_tokens: int
+    batch: int
+    draft_depth: int
+    rest_s: float
+    draft_s: float
+
+
+class StepSamples:
+    """The samples a fit uses: the start-up profile's (kept for good: they span the token range) and a ring of the
+    most recent online ones (the curve follows drift, e.g. longer contexts)."""
+
+    def __init__(self, recent: int = 512) -> None:
+        self.profile: list[StepSample] = []
+        self.recent: deque[StepSample] = deque(maxlen=recent)
+
+    def add(self, sample: StepSample, *, profile: bool = False) -> None:
+        if not (math.isfinite(sample.rest_s) and math.isfinite(sample.draft_s)):
+            return
+        if sample.rest_s <= 0 or sample.draft_s < 0 or sample.num_tokens <= 0 or sample.batch <= 0:
+            return
+        (self.profile if profile else self.recent).append(sample)
+
+    def all(self) -> list[StepSample]:
+        return [*self.profile, *self.recent]
+
+    def __len__(self) -> int:
+        return len(self.profile) + len(self.recent)
+
+
+def _knots_for(max_tokens: float) -> list[float]:
+    top = max(1, min(MAX_KNOT_EXPONENT, math.ceil(math.log2(max(1.0, max_tokens))) + 1))
+    return [float(2**i) for i in range(top + 1)]
+
+
+def _hat_basis(num_tokens: torch.Tensor, knots: torch.Tensor) -> torch.Tensor:
+    """[S, K] linear-interpolation weights of each N over the knots; beyond the last knot the last two knots'
+    weights extrapolate linearly (the curve continues with its last slope)."""
+    n = num_tokens.to(torch.float64).clamp(min=float(knots[0]))
+    k = knots.numel()
+    idx = torch.searchsorted(knots, n, right=True).clamp(1, k - 1) - 1  # left knot of each N's segment
+    left, right = knots[idx], knots[idx + 1]
+    frac = (n - left) / (right - left)  # > 1 beyond the last knot: linear extrapolation
+    basis = torch.zeros((n.numel(), k), dtype=torch.float64)
+    basis.scatter_(1, idx.unsqueeze(1), (1.0 - frac).unsqueeze(1))
+    basis.scatter_add_(1, (idx + 1).unsqueeze(1), frac.unsqueeze(1))
+    return basis
+
+
+def _robust_lstsq(x: torch.Tensor, y: torch.Tensor, ridge: torch.Tensor, passes: int = 4) -> torch.Tensor:
+    """argmin sum_s w_s (y_s - x_s . v)^2 + v' R v with Huber weights (threshold 1.5 x the MAD of the residuals)."""
+    w = torch.ones_like(y)
+    v = torch.zeros(x.shape[1], dtype=torch.float64)
+    for _ in range(passes):
+        xtw = x.t() * w
+        v = torch.linalg.solve(xtw @ x + ridge, xtw @ y)
+        resid = (y - x @ v).abs()
+        mad = float(resid.median()) if resid.numel() else 0.0
+        scale = 1.5 * max(mad, 1e-9)
+        w = torch.where(resid <= scale, torch.ones_like(resid), scale / resid.clamp(min=1e-12))
+    return v
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """rest(N, B) over `knots` (seconds per knot, non-decreasing) + `per_request_s` x B; draft terms (a, b, c, e).
+
+    fit_error: median relative error |predicted - observed| / observed of the step time over the fitted samples.
+    """
+
+    knots: tuple[float, ...]
+    rest_s: tuple[float, ...]
+    per_request_s: float
+    draft_terms: tuple[float, float, float, float]
+    fit_error: float
+    num_samples: int
+
+    def __post_init__(self) -> None:
+        if len(self.knots) < 2 or len(self.knots) != len(self.rest_s):
+            raise ValueError("a cost model needs >= 2 knots and one rest time per knot")
+        if any(b <= a for a, b in zip(self.knots, self.knots[1:])):
+            raise ValueError("cost model knots must be strictly increasing")
+        values = [*self.rest_s, self.per_request_s, *self.draft_terms]
+        if len(self.draft_terms) != DRAFT_TERMS or not all(math.isfinite(v) and v >= 0 for v in values):
+            raise ValueError("cost model times must be finite and >= 0 (4 draft terms)")
+
+    # -- evaluation -------------------------------------------------------------------------------------------
+
+    def rest_seconds(self, num_tokens: torch.Tensor, batch: int) -> torch.Tensor:
+        """Seconds outside the proposer for steps of `num_tokens` tokens (any shape) at `batch` requests."""
+        knots = torch.tensor(self.knots, dtype=torch.float64)
+        values = torch.tensor(self.rest_s, dtype=torch.float64)
+        flat = num_tokens.reshape(-1).to("cpu", torch.float64)
+        curve = _hat_basis(flat, knots) @ values
+        return (curve + self.per_request_s * batch).reshape(num_tokens.shape)
+
+    def draft_seconds(self, batch: int, draft_depth: int) -> float:
+        a, b, c, e = self.draft_terms
+        return a + b * batch + draft_depth * (c + e * batch)
+
+    def step_seconds(self, num_tokens: float, batch: int, draft_depth: int) -> float:
+        rest = float(self.rest_seconds(torch.tensor([float(num_tokens)]), batch)[0])
+        return rest + self.draft_seconds(batch, draft_depth)
+
+    # -- transport (TP broadcast) -----------------------------------------------------------------------------
+
+    def to_vector(self) -> list[float]:
+        """Flat floats: [K, knots..., rest..., per_request, draft terms..., fit_error, num_samples]."""
+        return [
+            float(len(self.knots)),
+            *self.knots,
+            *self.rest_s,
+            self.per_request_s,
+            *self.draft_terms,
+            self.fit_error,
+            float(self.num_samples),
+        ]
+
+    @classmethod
+    def from_vector(cls, vector: Sequence[float]) -> CostModel:
+        k = int(vector[0])
+        knots = tuple(float(x) for x in vector[1 : 1 + k])
+        rest = tuple(float(x) for x in vector[1 + k : 1 + 2 * k])
+        tail = [float(x) for x in vector[1 + 2 * k :]]
+        draft = (tail[1], tail[2], tail[3], tail[4])
+        return cls(knots, rest, tail[0], draft, tail[5], int(tail[6]))
+
+
+def vector_length(num_knots: int) -> int:
+    return 1 + 2 * num_knots + 1 + DRAFT_TERMS + 2
+
+
+def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> CostModel | None:
+    """The robust fit of `CostModel` to the samples; None with fewer than 4 samples (nothing to fit yet)."""
+    rows = list(samples)
+    if len(rows) < 4:
+        return None
+    n = torch.tensor([s.num_tokens for s in rows], dtype=torch.float64)
+    batch = torch.tensor([s.batch for s in rows], dtype=torch.float64)
+    depth = torch.tensor([s.draft_depth for s in rows], dtype=torch.float64)
+    rest = torch.tensor([s.rest_s for s in rows], dtype=torch.float64)
+    draft = torch.tensor([s.draft_s for s in rows], dtype=torch.float64)
+
+    knots = torch.tensor(_knots_for(float(n.max())), dtype=torch.float64)
+    k = knots.numel()
+    x_rest = torch.cat([_hat_basis(n, knots), batch.unsqueeze(1)], dim=1)
+    # Second differences of the knot values (in units of the typical step) tie unobserved knots to their neighbours;
+    # the batch term gets a plain ridge, so that with B and N collinear (pure decode) the curve takes the cost.
+    diff = torch.zeros((max(0, k - 2), k + 1), dtype=torch.float64)
+    for i in range(k - 2):
+        diff[i, i], diff[i, i + 1], diff[i, i + 2] = 1.0, -2.0, 1.0
+    penalty = ridge * len(rows) * (diff.t() @ diff)
+    penalty[k, k] += 1e-6 * len(rows)
+    v = _robust_lstsq(x_rest, rest, penalty)
+    curve = torch.cummax(v[:k].clamp(min=0.0), dim=0).values  # time never falls as the step grows
+    per_request = max(0.0, float(v[k]))
+
+    x_draft = torch.stack([torch.ones_like(batch), batch, depth, depth * batch], dim=1)
+    w = _robust_lstsq(x_draft, draft, 1e-9 * torch.eye(DRAFT_TERMS, dtype=torch.float64))
+    terms = tuple(max(0.0, float(t)) for t in w)
+
+    predicted = _hat_basis(n, knots) @ curve + per_request * batch + x_draft @ torch.tensor(terms, dtype=torch.float64)
+    observed = rest + draft
+    error = float(((predicted - observed).abs() / observed.clamp(min=1e-12)).median())
+    return CostModel(
+        tuple(float(x) for x in knots),
+        tuple(float(x) for x in curve),
+        per_request,
+        (terms[0], terms[1], terms[2], terms[3]),
+        error,
+        len(rows),
+    )

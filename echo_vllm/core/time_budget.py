@@ -1,0 +1,176 @@
+"""`k_max: "auto"`: the time-aware budget's state, shared by the vLLM proposer and the HF engine.
+
+Phases (`phase`):
+  warmup   the gates are calibrating: the engine's warm-up budget (everything drafted, every depth recorded);
+  profile  `profile_steps` steps that draft to a cycle of depths (D, 0, D-1, 1, ...) and verify a cycle of
+           fractions of the candidates (PROFILE_FRACTIONS), so that the step cost is sampled across token counts
+           and draft depths; then the first fit (saved to the budget profile file if it does not exist);
+  auto     every step: `DraftController` plans the draft depth and candidate cap, `select_auto` cuts ECHO's order
+           where expected tokens per second peak (acceptance from `AcceptanceModel`, time from `CostModel`); the
+           cost model is refit every REFIT_INTERVAL steps from the samples the engine adds.
+A loaded budget profile skips the profile phase. `share` (identity for one process; the vLLM proposer passes a
+broadcast from TP rank 0) makes every rank use rank 0's fit. No vLLM import; the engines measure the time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .acceptance import AcceptanceModel
+from .auto_budget import DraftController, DraftPlan, priority_rank, select_auto, select_by_rank
+from .budget import BudgetSelection
+from .budget_profile import load_profile, save_profile
+from .cost_model import MAX_KNOT_EXPONENT, CostModel, StepSample, StepSamples, fit_cost_model, vector_length
+from .gating import Gates
+from .tree import DraftTree
+
+REFIT_INTERVAL = 64  # steps between refits of the cost model (and refreshes of the acceptance table)
+# Profile steps verify these fractions of the candidates in turn: step costs across the token range, plain steps too.
+PROFILE_FRACTIONS = (0.0, 0.5, 1.0, 0.25, 0.75, 0.125)
+IDLE_FACTOR = 4.0  # a step slower than this x the model's prediction waited for work (idle engine): not a sample
+MAX_PROFILE_SAMPLES = 256
+COST_VECTOR_LENGTH = vector_length(MAX_KNOT_EXPONENT + 1)
+
+Share = Callable[[Sequence[float]], list[float]]
+
+
+def _no_share(values: Sequence[float]) -> list[float]:
+    return [float(v) for v in values]
+
+
+class TimeAwareBudget:
+    def __init__(
+        self,
+        max_depth: int,
+        *,
+        profile_steps: int,
+        probe_interval: int,
+        surplus_tail: bool,
+        profile_path: Path | None,
+        device: Any = "cpu",
+        is_writer: bool = True,
+        share: Share = _no_share,
+    ) -> None:
+        self.max_depth = max_depth
+        self.profile_steps = profile_steps
+        self.surplus_tail = surplus_tail
+        self.profile_path = profile_path
+        self.is_writer = is_writer
+        self.share = share
+        self.controller = DraftController(max_depth, probe_interval=probe_interval)
+        self.acceptance = AcceptanceModel(max_depth, device=device)
+        self.cost_model: CostModel | None = None
+        self.samples = StepSamples()
+        self.source = "none"
+        if profile_path is not None and profile_path.exists():
+            self.cost_model, self.acceptance = load_profile(profile_path, max_depth, device)
+            self.source = f"file {profile_path}"
+        self.profile_done = 0
+        self.steps_seen = 0
+
+    # -- per step ---------------------------------------------------------------------------------------------
+
+    def phase(self, warming_up: bool) -> str:
+        if warming_up:
+            return "warmup"
+        return "profile" if self.cost_model is None else "auto"
+
+    def plan(self, batch: int, nodes_per_depth: int, warming_up: bool, warmup_cap: int) -> DraftPlan:
+        """This step's draft depth and candidate cap; refit points come first (the same step on every rank)."""
+        self.steps_seen += 1
+        phase = self.phase(warming_up)
+        if phase == "profile" and self.profile_done >= self.profile_steps:
+            self.refit(first=True)
+        elif phase == "auto" and self.steps_seen % REFIT_INTERVAL == 0:
+            self.refit(first=False)
+        phase = self.phase(warming_up)
+        ceiling = batch * self.max_depth * nodes_per_depth
+        if phase == "auto":
+            return self.controller.plan(batch, ceiling)
+        if phase == "profile":
+            self.profile_done += 1
+            d = self.max_depth
+            cycle = [x for pair in zip(range(d, -1, -1), range(d + 1)) for x in pair]
+            return DraftPlan(cycle[(self.profile_done - 1) % len(cycle)], ceiling, False)
+        return DraftPlan(self.max_depth, min(ceiling, warmup_cap), False)
+
+    def select(
+        self, tree: DraftTree, gates: Gates, batch: int, plan: DraftPlan, warming_up: bool
+    ) -> tuple[BudgetSelection | None, torch.Tensor | None]:
+        """(selection, predicted accepted drafts) in the profile and auto phases; (None, None) in warm-up, where
+        the engine applies its own warm-up budget."""
+        phase = self.phase(warming_up)
+        if phase == "warmup":
+            return None, None
+        if phase == "profile":
+            rank, eligible = priority_rank(tree, gates, self.surplus_tail)
+            fraction = PROFILE_FRACTIONS[(self.profile_done - 1) % len(PROFILE_FRACTIONS)]
+            return select_by_rank(tree, rank, eligible, (eligible.sum() * fraction).floor().long()), None
+        cost = self.cost_model
+        assert cost is not None
+        depth = tree.max_depth
+        num_nodes = tree.scores.numel()
+        sizes = batch + torch.arange(num_nodes + 1, dtype=torch.float64)
+        draft_s = torch.tensor([cost.draft_seconds(batch, d) for d in range(depth + 1)], dtype=torch.float64)
+        device = tree.scores.device
+        auto = select_auto(
+            tree,
+            gates,
+            self.acceptance.node_gain(tree),
+            cost.rest_seconds(sizes, batch).to(device),
+            draft_s.to(device),
+            base_tokens=float(batch),
+            k_cap=plan.k_cap,
+            surplus_tail=self.surplus_tail,
+            k_min=batch if plan.probe else 0,
+        )
+        return auto.selection, auto.choice.predicted_accepted
+
+    def observe_selection(self, deepest_selected: int, budget: int) -> None:
+        self.controller.observe(deepest_selected, budget)
+
+    def add_sample(self, sample: StepSample, warming_up: bool) -> None:
+        """A measured step; a step much slower than predicted waited for work and is dropped."""
+        if self.cost_model is not None:
+            predicted = float(self.cost_model.rest_seconds(torch.tensor([float(sample.num_tokens)]), sample.batch)[0])
+            if sample.rest_s > IDLE_FACTOR * max(predicted, 1e-6):
+                return
+        profiling = self.phase(warming_up) != "auto" and len(self.samples.profile) < MAX_PROFILE_SAMPLES
+        self.samples.add(sample, profile=profiling)
+
+    # -- refits -----------------------------------------------------------------------------------------------
+
+    def refit(self, *, first: bool) -> None:
+        """Fit on the writer (rank 0) and share it, so that every rank decides identically; refresh acceptance."""
+        fitted = fit_cost_model(self.samples.all()) if self.is_writer else None
+        vector = [0.0] * COST_VECTOR_LENGTH
+        if fitted is not None:
+            packed = fitted.to_vector()
+            vector[: len(packed)] = packed
+        shared = self.share(vector)
+        self.acceptance.refresh()
+        if shared[0] == 0:  # rank 0 had too few samples: keep what there is
+            return
+        self.cost_model = CostModel.from_vector(shared)
+        if first:
+            self.source = f"profiled over {self.profile_done} steps"
+            if self.is_writer and self.profile_path is not None and not self.profile_path.exists():
+                try:
+                    save_profile(self.profile_path, self.cost_model, self.acceptance)
+                    self.source += f", saved to {self.profile_path}"
+                except OSError as err:  # e.g. a read-only volume: the fit still applies in this process
+                    self.source += f", NOT saved to {self.profile_path} ({err.strerror or err})"
+
+    def summary(self, warming_up: bool) -> dict[str, Any]:
+        return {
+            "budget_mode": "auto",
+            "phase": self.phase(warming_up),
+            "cost_fit_error": self.cost_model.fit_error if self.cost_model is not None else None,
+            "cost_model": self.cost_model.to_vector() if self.cost_model is not None else None,
+            "budget_source": self.source,
+            "budget_profile_file": str(self.profile_path) if self.profile_path is not None else None,
+        }

@@ -1,0 +1,226 @@
+"""The time-aware budget: the chooser, ECHO's order, the exact early exit of drafting, the draft plan, acceptance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from echo_vllm.core.acceptance import AcceptanceModel
+from echo_vllm.core.auto_budget import (
+    DraftController,
+    choose_budget,
+    drafting_can_stop,
+    priority_rank,
+    select_auto,
+    select_by_rank,
+)
+from echo_vllm.core.budget import add_surplus_tails
+from echo_vllm.core.gating import Gates, depth_confidence
+from echo_vllm.core.tree import DraftTree
+from echo_vllm.ops import select_budget
+
+
+def _chains(logps: torch.Tensor, valid_rows: torch.Tensor | None = None) -> DraftTree:
+    batch, depth = logps.shape
+    scores = torch.cumsum(logps, dim=1)
+    valid = torch.isfinite(scores)
+    if valid_rows is not None:
+        valid &= valid_rows.unsqueeze(1)
+    return DraftTree(
+        tokens=torch.arange(batch * depth).reshape(batch, depth),
+        scores=scores.contiguous(),
+        parent=torch.arange(-1, depth - 1, dtype=torch.int32).expand(batch, depth).contiguous(),
+        depth=torch.arange(1, depth + 1, dtype=torch.int32).expand(batch, depth).contiguous(),
+        valid=valid,
+        spine=torch.ones((batch, depth), dtype=torch.bool),
+    )
+
+
+class _Cal:
+    """A calibration stand-in: gates at `gated` depths with thresholds `tau` (what Gates.evaluate reads)."""
+
+    def __init__(self, gated: list[bool], tau: list[float]) -> None:
+        self.max_depth = len(gated)
+        self._gated, self._tau = torch.tensor(gated), torch.tensor(tau, dtype=torch.float32)
+
+    def gate_tensors(self, device):
+        return self._gated.to(device), self._tau.to(device)
+
+
+def _gates(confidence: torch.Tensor, cal: _Cal | None, max_depth: int) -> Gates:
+    batch, depth = confidence.shape
+    pad = torch.full((batch, max_depth - depth), float("inf"))
+    return Gates.evaluate(torch.cat([confidence, pad], dim=1), cal)
+
+
+# -- the chooser ---------------------------------------------------------------------------------------------------
+
+
+def test_chooser_picks_zero_when_verification_is_linear_and_acceptance_low():
+    gains = torch.full((8,), 0.1, dtype=torch.float64)
+    depth = torch.tensor([1, 1, 2, 2, 3, 3, 4, 4])
+    rest = 0.01 * (1 + torch.arange(9, dtype=torch.float64))  # every verified token costs a full step's worth
+    choice = choose_budget(
+        gains, depth, torch.ones(8, dtype=torch.bool), rest, torch.zeros(5), base_tokens=1.0, k_cap=8
+    )
+    assert int(choice.k) == 0 and int(choice.depth) == 0 and int(choice.last_position) == -1
+
+
+def test_chooser_picks_the_knee_of_a_flat_then_linear_curve():
+    # B = 1; the step costs the same up to 8 tokens, then 0.2 per token; every candidate is accepted w.p. 0.6.
+    n = 16
+    tokens = 1 + torch.arange(n + 1, dtype=torch.float64)
+    rest = 1.0 + 0.2 * (tokens - 8).clamp(min=0)
+    choice = choose_budget(
+        torch.full((n,), 0.6, dtype=torch.float64),
+        torch.arange(1, n + 1),
+        torch.ones(n, dtype=torch.bool),
+        rest,
+        torch.zeros(n + 1),
+        base_tokens=1.0,
+        k_cap=n,
+    )
+    assert int(choice.k) == 7  # 1 + 7 = 8 tokens: the knee
+    assert float(choice.predicted_accepted) == pytest.approx(4.2)
+
+
+def test_chooser_charges_the_draft_depth_and_respects_cap_and_floor():
+    gains = torch.tensor([0.9, 0.9, 0.05, 0.05], dtype=torch.float64)
+    depth = torch.tensor([1, 1, 2, 2])  # two requests, depth 2 each, in rank order
+    rest = torch.ones(5, dtype=torch.float64)
+    draft = torch.tensor([0.0, 0.1, 0.5], dtype=torch.float64)  # depth 2 costs more than its gains are worth
+    eligible = torch.ones(4, dtype=torch.bool)
+    choice = choose_budget(gains, depth, eligible, rest, draft, base_tokens=2.0, k_cap=4)
+    assert int(choice.depth) == 1 and int(choice.k) == 2
+    capped = choose_budget(gains, depth, eligible, rest, draft, base_tokens=2.0, k_cap=1)
+    assert int(capped.k) == 1
+    low = torch.full((4,), 0.0, dtype=torch.float64)
+    floored = choose_budget(low, depth, eligible, rest + torch.arange(5), draft, base_tokens=2.0, k_cap=4, k_min=2)
+    assert int(floored.k) == 2  # a probe step verifies at least k_min although nothing pays
+
+
+def _random_tree(seed: int, batch: int, depth: int):
+    gen = torch.Generator().manual_seed(seed)
+    logps = -torch.rand((batch, depth), generator=gen) * 2.5
+    logps[torch.rand((batch, depth), generator=gen) < 0.1] = float("-inf")
+    return _chains(logps), gen
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    batch=st.integers(1, 6),
+    depth=st.integers(1, 5),
+    k=st.integers(0, 30),
+    gated=st.lists(st.booleans(), min_size=5, max_size=5),
+)
+def test_rank_order_is_the_fixed_rule(seed, batch, depth, k, gated):
+    """The first k of ECHO's order = select_budget(k) + add_surplus_tails(k): both modes cut the same order."""
+    tree, gen = _random_tree(seed, batch, depth)
+    cal = _Cal(gated[:depth], torch.rand(depth, generator=gen).tolist())
+    gates = _gates(depth_confidence(tree), cal, depth)
+    rank, eligible = priority_rank(tree, gates, surplus_tail=True)
+    by_rank = select_by_rank(tree, rank, eligible, k)
+    fixed = add_surplus_tails(select_budget(tree, gates, k), tree, gates, k)
+    assert torch.equal(by_rank.selected, fixed.selected)
+    no_tail_rank, no_tail_eligible = priority_rank(tree, gates, surplus_tail=False)
+    assert torch.equal(
+        select_by_rank(tree, no_tail_rank, no_tail_eligible, k).selected, select_budget(tree, gates, k).selected
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    batch=st.integers(1, 8),
+    depth=st.integers(2, 6),
+    k_cap=st.integers(0, 40),
+    gated=st.lists(st.booleans(), min_size=6, max_size=6),
+    surplus_tail=st.booleans(),
+    auto=st.booleans(),
+)
+def test_early_exit_selects_what_full_drafting_selects(seed, batch, depth, k_cap, gated, surplus_tail, auto):
+    """Stop at the first depth where drafting_can_stop says so: the selection equals the full tree's."""
+    full, gen = _random_tree(seed, batch, depth)
+    cal = _Cal(gated[:depth], (torch.rand(depth, generator=gen) * 0.6).tolist())
+    gains = torch.rand((batch, depth), generator=gen).sort(dim=1, descending=True).values
+    rest = torch.linspace(1.0, 3.0, batch * depth + 1, dtype=torch.float64) + torch.rand(1, generator=gen).double()
+    draft = torch.linspace(0.0, 0.5, depth + 1, dtype=torch.float64)
+
+    def select(tree: DraftTree, drafted: int):
+        gates = _gates(depth_confidence(tree)[:, :drafted], cal, depth)
+        if auto:
+            return select_auto(
+                tree, gates, gains, rest, draft, base_tokens=float(batch), k_cap=k_cap, surplus_tail=surplus_tail
+            ).selection.selected
+        rank, eligible = priority_rank(tree, gates, surplus_tail)
+        return select_by_rank(tree, rank, eligible, k_cap).selected
+
+    stop = depth
+    for d in range(1, depth):
+        scores, valid = full.scores[:, :d], full.valid[:, :d]
+        conf = torch.exp(torch.where(valid, scores, torch.full_like(scores, float("-inf"))))
+        if bool(drafting_can_stop(scores, valid, _gates(conf, cal, depth), k_cap, surplus_tail)):
+            stop = d
+            break
+    truncated_valid = full.valid.clone()
+    truncated_valid[:, stop:] = False
+    truncated = full._replace(valid=truncated_valid)
+    assert torch.equal(select(truncated, stop), select(full, depth))
+
+
+def test_early_exit_fires_when_the_budget_is_full_and_not_before():
+    logps = torch.log(torch.tensor([[0.9, 0.9, 0.9], [0.2, 0.2, 0.2]]))
+    tree = _chains(logps)
+    gates = Gates.open(2, 3)
+    # After depth 1: scores 0.9 and 0.2; one slot is filled by a node at least as good as any frontier -> stop.
+    assert bool(drafting_can_stop(tree.scores[:, :1], tree.valid[:, :1], gates, 1, surplus_tail=True))
+    # Two slots: request 0's depth-2 node (0.81) beats request 1's depth-1 node (0.2): keep drafting.
+    assert not bool(drafting_can_stop(tree.scores[:, :1], tree.valid[:, :1], gates, 2, surplus_tail=True))
+    # Every frontier invalid: nothing deeper exists.
+    dead = torch.zeros((2, 1), dtype=torch.bool)
+    assert bool(drafting_can_stop(tree.scores[:, :1], dead, gates, 5, surplus_tail=True))
+
+
+# -- the draft plan ------------------------------------------------------------------------------------------------
+
+
+def test_draft_controller_follows_the_recent_budget_and_probes():
+    control = DraftController(4, window=2, probe_interval=5)
+    first = control.plan(batch=8, ceiling=32)
+    assert first.depth == 4 and first.k_cap == 32  # nothing seen yet: full depth
+    control.observe(2, 6)
+    plan = control.plan(8, 32)
+    assert plan.depth == 2 and plan.k_cap == 12 and not plan.probe
+    control.observe(0, 0)
+    control.observe(0, 0)
+    plan = control.plan(8, 32)
+    assert plan.depth == 0 and plan.k_cap == 8  # nothing selected lately: no drafting (the cap keeps >= B)
+    control.observe(0, 0)
+    probe = control.plan(8, 32)  # step 5: a probe
+    assert probe.probe and probe.depth == 4 and probe.k_cap == 32
+
+
+# -- acceptance ----------------------------------------------------------------------------------------------------
+
+
+def test_acceptance_model_learns_rates_and_caps_children_by_parents():
+    model = AcceptanceModel(2, num_bins=4, prior_strength=1.0)
+    conf = torch.tensor([[0.9, 0.3]]).expand(400, 2)
+    accepted = torch.zeros((400, 2), dtype=torch.bool)
+    accepted[:100, 0] = True  # depth 1 at confidence 0.9 is accepted 25 % of the time
+    accepted[:80, 1] = True  # depth 2 at 0.3: 20 %
+    model.record(conf, accepted, torch.ones((400, 2), dtype=torch.bool))
+    before = model.node_gain(_chains(torch.log(torch.tensor([[0.9, 1 / 3]]))))
+    assert before[0, 0] == pytest.approx(0.875, abs=0.01)  # no refresh yet: the prior (bin centre)
+    model.refresh()
+    gain = model.node_gain(_chains(torch.log(torch.tensor([[0.9, 1 / 3]]))))
+    assert gain[0, 0] == pytest.approx(0.25, abs=0.01) and gain[0, 1] == pytest.approx(0.2, abs=0.01)
+    model.accepted[1] = model.seen[1]  # depth 2 always accepted: still capped by its parent
+    model.refresh()
+    capped = model.node_gain(_chains(torch.log(torch.tensor([[0.9, 1 / 3]]))))
+    assert capped[0, 1] == pytest.approx(capped[0, 0])
+    invalid = model.node_gain(_chains(torch.tensor([[float("-inf"), -0.1]])))
+    assert torch.equal(invalid, torch.zeros(1, 2))

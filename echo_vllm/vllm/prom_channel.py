@@ -104,9 +104,10 @@ class MmapSeriesWriter:
         }
         self._files = {kind: MmapedDict(os.path.join(directory, name)) for kind, name in names.items()}
         self._keys: dict[tuple[str, str, tuple[tuple[str, str], ...]], str] = {}
+        self._histogram_keys: dict[tuple[Any, ...], tuple[list[str], str]] = {}
 
     def _key(self, metric: str, sample: str, labels: dict[str, str], help_text: str) -> str:
-        cache_key = (metric, sample, tuple(sorted(labels.items())))
+        cache_key = (metric, sample, tuple(labels.items()))  # callers build labels in one order: no sort per write
         key = self._keys.get(cache_key)
         if key is None:
             # prometheus_client.mmap_dict.mmap_key's layout: [metric_name, sample_name, labels, help]
@@ -131,10 +132,14 @@ class MmapSeriesWriter:
     ) -> None:
         """A histogram: counts[j] observations in bucket j (not cumulative; the collector accumulates) and the sum."""
         file = self._files["histogram"]
-        for bound, count in zip(bounds, counts):
-            key = self._key(metric, metric + "_bucket", {**labels, "le": _go_float(bound)}, help_text)
+        cache_key = (metric, tuple(labels.items()), bounds)
+        keys = self._histogram_keys.get(cache_key)
+        if keys is None:  # once per histogram: a step writes a few buckets, it need not format their labels
+            buckets = [self._key(metric, metric + "_bucket", {**labels, "le": _go_float(b)}, help_text) for b in bounds]
+            keys = self._histogram_keys[cache_key] = (buckets, self._key(metric, metric + "_sum", labels, help_text))
+        for key, count in zip(keys[0], counts):
             file.write_value(key, count, 0.0)
-        file.write_value(self._key(metric, metric + "_sum", labels, help_text), total, 0.0)
+        file.write_value(keys[1], total, 0.0)
 
     def close(self) -> None:
         for file in self._files.values():

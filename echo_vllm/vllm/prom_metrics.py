@@ -234,11 +234,11 @@ class PromExporter:
 
     def _g(self, name: str, value: float, **labels: str) -> None:
         s = SERIES[name]
-        self.writer.gauge(s.metric, {**self.labels, **labels}, s.help, value)
+        self.writer.gauge(s.metric, {**self.labels, **labels} if labels else self.labels, s.help, value)
 
     def _c(self, name: str, value: float, **labels: str) -> None:
         s = SERIES[name]
-        self.writer.counter(s.metric, {**self.labels, **labels}, s.help, value)
+        self.writer.counter(s.metric, {**self.labels, **labels} if labels else self.labels, s.help, value)
 
     def _h(self, name: str, hist: _Histogram) -> None:
         s = SERIES[name]

@@ -187,20 +187,40 @@ def test_early_exit_fires_when_the_budget_is_full_and_not_before():
 # -- the draft plan ------------------------------------------------------------------------------------------------
 
 
-def test_draft_controller_follows_the_recent_budget_and_probes():
-    control = DraftController(4, window=2, probe_interval=5)
-    first = control.plan(batch=8, ceiling=32)
-    assert first.depth == 4 and first.k_cap == 32  # nothing seen yet: full depth
-    control.observe(2, 6)
-    plan = control.plan(8, 32)
-    assert plan.depth == 2 and plan.k_cap == 12 and not plan.probe
-    control.observe(0, 0)
-    control.observe(0, 0)
-    plan = control.plan(8, 32)
-    assert plan.depth == 0 and plan.k_cap == 8  # nothing selected lately: no drafting (the cap keeps >= B)
-    control.observe(0, 0)
-    probe = control.plan(8, 32)  # step 5: a probe
-    assert probe.probe and probe.depth == 4 and probe.k_cap == 32
+def test_draft_controller_drafts_to_the_depth_worth_most_and_probes():
+    control = DraftController(3, window=2, probe_interval=6, alpha=0.5)
+    first = control.plan(batch=8, ceiling=24)
+    assert first.depth == 3 and first.k_cap == 24  # nothing measured yet: full depth
+    control.observe(6)
+    control.observe_levels([1.0, 1.5, 2.0, 1.8])
+    plan = control.plan(8, 24)
+    assert plan.depth == 2 and plan.k_cap == 24 and not plan.probe  # depth 2 was worth most
+    control.observe(2)
+    control.observe_levels([1.0, 1.2, 1.0])  # drafted to 2: depths 0..2 averaged, depth 3 kept
+    assert control.value == [1.0, 1.35, 1.5, 1.8]
+    assert control.plan(8, 24).depth == 3  # depth 3's (older) value now leads
+    for _ in range(2):
+        control.observe(0)
+        control.observe_levels([3.0, 1.0, float("-inf"), float("nan")])
+    plan = control.plan(8, 24)
+    assert plan.depth == 0 and plan.k_cap == 16  # plain decoding leads (the cap keeps >= 2 B)
+    control.observe(0)  # a plain step: nothing measured
+    probe = control.plan(8, 24)  # step 6: a probe
+    assert probe.probe and probe.depth == 3 and probe.k_cap == 24
+
+
+def test_hindsight_level_rates_price_the_selection_cut_at_each_depth():
+    from echo_vllm.core.cost_model import CostModel
+    from echo_vllm.core.time_budget import TimeAwareBudget
+
+    budget = TimeAwareBudget(3, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None)
+    budget.cost_model = CostModel((1.0, 2.0, 4.0, 8.0), (1.0, 1.0, 1.0, 2.0), 0.0, (0.0, 0.0, 0.5, 0.0), 0.0, 4)
+    # Two requests: 3 drafts verified, 2 accepted; 1 verified, 0 accepted.
+    depths = torch.tensor([[1, 2, 3], [1, 0, 0]])
+    budget.observe_verification(torch.tensor([2, 0]), depths, batch=2, drafted_depth=3)
+    # Cut at d: tokens 2 + sum min(acc, d); nodes of depth <= d; rest(2 + nodes) + 0.5 d.
+    expected = [2 / 1.0, 3 / (1.0 + 0.5), 4 / (1.25 + 1.0), 4 / (1.5 + 1.5)]
+    assert budget.controller.value == pytest.approx(expected)
 
 
 # -- acceptance ----------------------------------------------------------------------------------------------------
@@ -213,14 +233,15 @@ def test_acceptance_model_learns_rates_and_caps_children_by_parents():
     accepted[:100, 0] = True  # depth 1 at confidence 0.9 is accepted 25 % of the time
     accepted[:80, 1] = True  # depth 2 at 0.3: 20 %
     model.record(conf, accepted, torch.ones((400, 2), dtype=torch.bool))
-    before = model.node_gain(_chains(torch.log(torch.tensor([[0.9, 1 / 3]]))))
+    before = model.node_gain(_chains(torch.log(torch.tensor([[0.9, 1 / 3]]))), 2)
     assert before[0, 0] == pytest.approx(0.875, abs=0.01)  # no refresh yet: the prior (bin centre)
     model.refresh()
-    gain = model.node_gain(_chains(torch.log(torch.tensor([[0.9, 1 / 3]]))))
+    gain = model.node_gain(_chains(torch.log(torch.tensor([[0.9, 1 / 3]]))), 2)
     assert gain[0, 0] == pytest.approx(0.25, abs=0.01) and gain[0, 1] == pytest.approx(0.2, abs=0.01)
     model.accepted[1] = model.seen[1]  # depth 2 always accepted: still capped by its parent
     model.refresh()
-    capped = model.node_gain(_chains(torch.log(torch.tensor([[0.9, 1 / 3]]))))
+    capped = model.node_gain(_chains(torch.log(torch.tensor([[0.9, 1 / 3]]))), 2)
     assert capped[0, 1] == pytest.approx(capped[0, 0])
-    invalid = model.node_gain(_chains(torch.tensor([[float("-inf"), -0.1]])))
+    invalid = model.node_gain(_chains(torch.tensor([[float("-inf"), -0.1]])), 2)
+    assert torch.equal(model.node_gain(_chains(torch.log(torch.tensor([[0.9, 1 / 3]]))), 2, chain=True), capped)
     assert torch.equal(invalid, torch.zeros(1, 2))

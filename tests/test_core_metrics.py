@@ -190,6 +190,7 @@ def test_stats_line_with_the_time_aware_budget(tmp_path):
     m = EchoMetrics(max_depth=4)
     m.record_plan(3, torch.tensor(1.5, dtype=torch.float64))
     m.update(_selection([[1, 2, 3], [1]]), _result([2, 0]), 8, torch.tensor([4, 1]), torch.tensor([False, True]))
+    m.record_realised(torch.tensor([2, 0]))
     stats = {
         **m.summary(),
         "k_max": "auto",

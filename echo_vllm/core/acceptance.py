@@ -3,9 +3,9 @@
 The calibration already records, per verified request-step and depth d, (c_{i,d}, accepted_{i,d}): the depth
 confidence and whether the accepted path reached depth d. For a chain (vLLM's drafts) that is exactly the event
 "the depth-d node is accepted", so the model is a table over (depth, confidence bin):
-    p[d, j] = (accepted[d, j] + m * c_j) / (seen[d, j] + m)
-with c_j the bin centre and m = `prior_strength`: with no samples the draft's own confidence is the estimate (a
-well-trained head is roughly calibrated), and the measured rate takes over as samples come in. `node_gain`
+    p[d, j] = (accepted[d, j] + m * q_j) / (seen[d, j] + m),  q_j = (sum_d accepted[d, j] + m c_j) / (sum_d seen[d, j] + m)
+with c_j the bin centre and m = `prior_strength`: with no samples the draft's own confidence is the estimate, then
+the bin's rate over all depths, and the depth's own measured rate takes over as its samples come in. `node_gain`
 turns a tree's path scores into each node's probability of being accepted, capped by its parent's (a path cannot
 be accepted more often than its prefix).
 
@@ -63,22 +63,30 @@ class AcceptanceModel:
         self.accepted.view(-1).index_add_(0, flat, hit)
 
     def refresh(self) -> None:
+        """Recompute the table: each (depth, bin) shrinks towards the bin's rate pooled over all depths, which
+        shrinks towards the bin's confidence. A path's confidence already carries its depth, so the pooled rate is
+        a better guess than the confidence for a depth with few samples in that bin (heads are seldom calibrated:
+        on the testbed mid-confidence drafts are accepted more often than their confidence says)."""
         m = self.prior_strength
-        self.table = ((self.accepted + m * self.centres) / (self.seen + m)).to(torch.float32)
+        pooled = (self.accepted.sum(dim=0) + m * self.centres) / (self.seen.sum(dim=0) + m)
+        self.table = ((self.accepted + m * pooled) / (self.seen + m)).to(torch.float32)
 
-    def node_gain(self, tree: Any) -> torch.Tensor:
+    def node_gain(self, tree: Any, max_depth: int, chain: bool = False) -> torch.Tensor:
         """[B, N] probability that each node of `tree` (a DraftTree) is accepted: the table at the node's depth and
         its own path confidence exp(score), capped by its parent's (a path is never accepted more often than its
-        prefix); 0 for invalid nodes. Parents precede children (depth-major rows), so D passes settle the caps."""
+        prefix); 0 for invalid nodes. Parents precede children (depth-major rows), so D - 1 passes settle the caps
+        (`chain`: one cumulative minimum). `max_depth` comes from the caller, which knows it (no host sync)."""
         scores, depth = tree.scores, tree.depth.long()
         usable = tree.valid & ~torch.isnan(scores)
         conf = torch.exp(torch.where(usable, scores.float(), torch.full_like(scores.float(), float("-inf"))))
         table = self.table.to(scores.device)
         row = (depth - 1).clamp(0, self.max_depth - 1)
         p = torch.where(usable, table[row, self._bins(conf)], torch.zeros_like(conf))
+        if chain:  # one node per depth, depth-major: the parent is the node to the left
+            return torch.cummin(p, dim=1).values
         parent = tree.parent.long()
         has_parent = parent >= 0
-        for _ in range(int(tree.max_depth) - 1):
+        for _ in range(max_depth - 1):
             parent_p = torch.gather(p, 1, parent.clamp(min=0))
             p = torch.where(has_parent, torch.minimum(p, parent_p), p)
         return p

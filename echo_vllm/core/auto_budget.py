@@ -104,9 +104,9 @@ def choose_budget(
     rest = rest_seconds.to(device, torch.float64)
     draft = draft_seconds.to(device, torch.float64)
     rate = (base_tokens + gain) / (rest[count] + draft.unsqueeze(1)).clamp(min=1e-12)
+    plain = (base_tokens / (rest[0] + draft[0]).clamp(min=1e-12)).reshape(1)
     allowed = mask & (count <= k_cap) & (count >= k_min)
     rate = torch.where(allowed, rate, torch.full_like(rate, float("-inf")))
-    plain = (base_tokens / (rest[0] + draft[0]).clamp(min=1e-12)).reshape(1)
     if k_min > 0:
         plain = torch.full_like(plain, float("-inf"))
     flat = torch.cat([plain, rate.reshape(-1)])
@@ -200,30 +200,45 @@ class DraftPlan(NamedTuple):
 
 
 class DraftController:
-    """Each step's draft depth and candidate cap from the recent budget (host integers the step already has).
+    """Each step's draft depth and candidate cap, from what recent steps were worth at each depth.
 
-    depth: the deepest depth selected in the last `window` steps (0 when nothing was), D on probe steps (every
-    `probe_interval` steps: where the budget can grow again) and until the first selection. k_cap: twice the
-    largest recent budget, at least the batch size (a trust region that can double per step), the ceiling on
-    probes. Decisions depend on step counts and selections only, which every TP rank shares.
+    After every verified step the engine reports, in hindsight, the tokens per second its selection would have
+    had if cut at depth d = 0..drafted (`level_rates`: realised accepted drafts, modelled step time; see
+    `TimeAwareBudget.observe_verification`). An exponential average per depth (weight `alpha`) over the steps that
+    drafted at least that deep estimates each depth's worth; the plan drafts to the best. Realised acceptance, not
+    the model's, so that a pessimistic acceptance table cannot keep drafting shallow. Depths deeper than the plan
+    are re-measured by probe steps (every `probe_interval` steps: full depth, at least one draft per request
+    verified) and, until measured, by drafting to full depth. k_cap: four times the largest budget of the last
+    `window` steps, at least twice the batch size (a trust region that can quadruple per step; it is what lets the
+    early exit of drafting fire at large batches), the ceiling on probes. Decisions depend on step counts and on
+    data every TP rank shares.
     """
 
-    def __init__(self, max_depth: int, *, window: int = 8, probe_interval: int = 16) -> None:
+    def __init__(self, max_depth: int, *, window: int = 8, probe_interval: int = 16, alpha: float = 0.2) -> None:
         self.max_depth = max_depth
         self.probe_interval = probe_interval
-        self._deepest: deque[int] = deque(maxlen=window)
+        self.alpha = alpha
         self._budget: deque[int] = deque(maxlen=window)
+        self.value: list[float | None] = [None] * (max_depth + 1)  # per depth: average tokens/s, None unmeasured
         self.steps = 0
 
     def plan(self, batch: int, ceiling: int) -> DraftPlan:
         """ceiling: the most candidates this step can have (B x nodes per request)."""
         probe = self.probe_interval > 0 and self.steps % self.probe_interval == self.probe_interval - 1
-        if probe or not self._deepest:
+        if probe or any(v is None for v in self.value):
             return DraftPlan(self.max_depth, ceiling, probe)
-        depth = min(self.max_depth, max(self._deepest))
-        return DraftPlan(depth, min(ceiling, max(2 * max(self._budget), batch)), False)
+        values = [v if v is not None else float("-inf") for v in self.value]
+        depth = max(range(len(values)), key=lambda d: (values[d], -d))  # the best; the shallowest among equals
+        return DraftPlan(depth, min(ceiling, max(4 * max(self._budget, default=0), 2 * batch)), False)
 
-    def observe(self, deepest_selected: int, budget: int) -> None:
-        self._deepest.append(deepest_selected)
+    def observe(self, budget: int) -> None:
+        """One step's verified drafts (every step, plain ones too)."""
         self._budget.append(budget)
         self.steps += 1
+
+    def observe_levels(self, level_rates: list[float]) -> None:
+        """What a verified step was worth cut at depth 0..len - 1 (tokens per second)."""
+        for d, rate in enumerate(level_rates):
+            if rate == rate and rate != float("-inf"):  # skip NaN and unmeasured depths
+                old = self.value[d]
+                self.value[d] = rate if old is None else (1 - self.alpha) * old + self.alpha * rate

@@ -31,7 +31,8 @@ Summary (`EchoStatsSnapshot` fields):
   truncation_rate                - truncated request-steps / selected request-steps
   mean_draft_depth               - draft depth drafted per step (`record_plan`; NaN if never recorded)
   predicted_accepted_per_step    - expected accepted drafts of the selections per step (time-aware budget)
-  realised_accepted_per_step     - accepted drafts per verification step (what the prediction is judged by)
+  realised_accepted_per_step     - accepted drafts per verified step of those predicted (`record_realised`): what
+                                   the prediction is judged by
 Only rows with `active` True count (default: all rows). `totals()` gives the raw running sums behind these
 (request-steps, emitted, accepted, verified, bound steps, truncations per depth) for the Prometheus counters.
 """
@@ -103,6 +104,8 @@ class EchoMetrics:
         self.draft_depth_sum = 0  # host: the plan's depth is a host int
         self._predicted: torch.Tensor | None = None  # [] float64, sum of predicted accepted drafts
         self.predicted_steps = 0
+        self._realised: torch.Tensor | None = None  # [] float64, accepted drafts of the predicted steps
+        self.realised_steps = 0
 
     def _accumulators(self, device: torch.device) -> None:
         if self._selection is None:
@@ -156,6 +159,12 @@ class EchoMetrics:
                 self._predicted = torch.zeros((), dtype=torch.float64, device=predicted_accepted.device)
             self._predicted += predicted_accepted.to(torch.float64)
             self.predicted_steps += 1
+
+    def record_realised(self, accepted: torch.Tensor) -> None:
+        """The accepted drafts [R] of a verified step whose selection was predicted (`record_plan`)."""
+        total = accepted.to(torch.float64).sum()
+        self._realised = total if self._realised is None else self._realised + total
+        self.realised_steps += 1
 
     def record_verification(
         self,
@@ -224,7 +233,9 @@ class EchoMetrics:
             predicted_accepted_per_step=(
                 _ratio(float(self._predicted.item()), self.predicted_steps) if self._predicted is not None else math.nan
             ),
-            realised_accepted_per_step=_ratio(accepted, self.verify_steps),
+            realised_accepted_per_step=(
+                _ratio(float(self._realised.item()), self.realised_steps) if self._realised is not None else math.nan
+            ),
         )
 
     def summary(self) -> dict[str, Any]:

@@ -71,6 +71,7 @@ class TimeAwareBudget:
             self.source = f"file {profile_path}"
         self.profile_done = 0
         self.steps_seen = 0
+        self._curve_cache: dict[tuple[int, int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- per step ---------------------------------------------------------------------------------------------
 
@@ -99,10 +100,18 @@ class TimeAwareBudget:
         return DraftPlan(self.max_depth, min(ceiling, warmup_cap), False)
 
     def select(
-        self, tree: DraftTree, gates: Gates, batch: int, plan: DraftPlan, warming_up: bool
+        self,
+        tree: DraftTree,
+        gates: Gates,
+        batch: int,
+        plan: DraftPlan,
+        warming_up: bool,
+        *,
+        depth: int,
+        chain: bool = False,
     ) -> tuple[BudgetSelection | None, torch.Tensor | None]:
         """(selection, predicted accepted drafts) in the profile and auto phases; (None, None) in warm-up, where
-        the engine applies its own warm-up budget."""
+        the engine applies its own warm-up budget. depth: the tree's depth; chain: one node per depth."""
         phase = self.phase(warming_up)
         if phase == "warmup":
             return None, None
@@ -110,19 +119,13 @@ class TimeAwareBudget:
             rank, eligible = priority_rank(tree, gates, self.surplus_tail)
             fraction = PROFILE_FRACTIONS[(self.profile_done - 1) % len(PROFILE_FRACTIONS)]
             return select_by_rank(tree, rank, eligible, (eligible.sum() * fraction).floor().long()), None
-        cost = self.cost_model
-        assert cost is not None
-        depth = tree.max_depth
-        num_nodes = tree.scores.numel()
-        sizes = batch + torch.arange(num_nodes + 1, dtype=torch.float64)
-        draft_s = torch.tensor([cost.draft_seconds(batch, d) for d in range(depth + 1)], dtype=torch.float64)
-        device = tree.scores.device
+        rest_s, draft_s = self._curves(batch, tree.scores.numel(), depth, tree.scores.device)
         auto = select_auto(
             tree,
             gates,
-            self.acceptance.node_gain(tree),
-            cost.rest_seconds(sizes, batch).to(device),
-            draft_s.to(device),
+            self.acceptance.node_gain(tree, depth, chain),
+            rest_s,
+            draft_s,
             base_tokens=float(batch),
             k_cap=plan.k_cap,
             surplus_tail=self.surplus_tail,
@@ -130,8 +133,46 @@ class TimeAwareBudget:
         )
         return auto.selection, auto.choice.predicted_accepted
 
-    def observe_selection(self, deepest_selected: int, budget: int) -> None:
-        self.controller.observe(deepest_selected, budget)
+    def _curves(self, batch: int, num_nodes: int, depth: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cost model's seconds for k = 0..num_nodes verified drafts and drafting to depth 0..depth at `batch`,
+        on `device`; cached per shape until the next refit (most steps repeat the last step's shape)."""
+        key = (batch, num_nodes, depth, str(device))
+        cached = self._curve_cache.get(key)
+        if cached is None:
+            cost = self.cost_model
+            assert cost is not None
+            sizes = batch + torch.arange(num_nodes + 1, dtype=torch.float64)
+            draft = torch.tensor([cost.draft_seconds(batch, d) for d in range(depth + 1)], dtype=torch.float64)
+            cached = (cost.rest_seconds(sizes, batch).to(device), draft.to(device))
+            if len(self._curve_cache) > 256:  # batch sizes churn under load: keep the cache small
+                self._curve_cache.clear()
+            self._curve_cache[key] = cached
+        return cached
+
+    def observe_selection(self, budget: int) -> None:
+        """After the step's host sync: the drafts it selected."""
+        self.controller.observe(budget)
+
+    def observe_verification(
+        self, accepted: torch.Tensor, verified_depths: torch.Tensor, batch: int, drafted_depth: int
+    ) -> None:
+        """A verified step in hindsight, for the depth plan: accepted [R] drafts per request, verified_depths [R, N]
+        the depth of each verified node (0 = none), batch the requests of that step, drafted_depth how deep it
+        drafted. Cut at depth d it would have emitted B + sum_i min(accepted_i, d) tokens for the verified nodes of
+        depth <= d and the drafting to depth d; the cost model prices it. (One small host sync: the counts.)"""
+        cost = self.cost_model
+        if cost is None or drafted_depth < 1 or batch < 1:
+            return
+        levels = torch.arange(drafted_depth + 1, device=accepted.device)
+        emitted = torch.minimum(accepted.long().unsqueeze(1), levels.unsqueeze(0)).sum(dim=0)
+        depths = verified_depths.long().reshape(-1)
+        nodes = ((depths.unsqueeze(0) <= levels.unsqueeze(1)) & (depths.unsqueeze(0) > 0)).sum(dim=1)
+        host = torch.stack([emitted, nodes]).tolist()
+        rest = cost.rest_seconds(torch.tensor([float(batch + n) for n in host[1]]), batch).tolist()
+        rates = [
+            (batch + host[0][d]) / max(rest[d] + cost.draft_seconds(batch, d), 1e-12) for d in range(drafted_depth + 1)
+        ]
+        self.controller.observe_levels(rates)
 
     def add_sample(self, sample: StepSample, warming_up: bool) -> None:
         """A measured step; a step much slower than predicted waited for work and is dropped."""
@@ -156,6 +197,7 @@ class TimeAwareBudget:
         if shared[0] == 0:  # rank 0 had too few samples: keep what there is
             return
         self.cost_model = CostModel.from_vector(shared)
+        self._curve_cache.clear()
         if first:
             self.source = f"profiled over {self.profile_done} steps"
             if self.is_writer and self.profile_path is not None and not self.profile_path.exists():
@@ -172,5 +214,8 @@ class TimeAwareBudget:
             "cost_fit_error": self.cost_model.fit_error if self.cost_model is not None else None,
             "cost_model": self.cost_model.to_vector() if self.cost_model is not None else None,
             "budget_source": self.source,
+            # What the depth plan believes each draft depth 0..D is worth (expected tokens/s; None unmeasured).
+            "depth_values": [None if v is None else round(v, 3) for v in self.controller.value],
+            "acceptance_table": [[round(p, 3) for p in row] for row in self.acceptance.table.tolist()],
             "budget_profile_file": str(self.profile_path) if self.profile_path is not None else None,
         }

@@ -203,7 +203,9 @@ class HFEngine:
         # Gated methods before calibration, and chain, run with every gate open (calibration is None).
         gates = Gates.evaluate(depth_confidence(tree), self.calibration, self.options.echo.surplus_width)
         if self.budget is not None:
-            selection, predicted = self.budget.select(tree, gates, batch, self._plan, self.warming_up)
+            selection, predicted = self.budget.select(
+                tree, gates, batch, self._plan, self.warming_up, depth=self.max_depth, chain=self.top_k == 1
+            )
             if selection is not None:
                 return selection, gates, predicted
             return select_budget(tree, gates, self._plan.k_cap), gates, None
@@ -264,7 +266,7 @@ class HFEngine:
             if self._plan.depth == 0:  # the budget chose plain decoding: the head's context still follows
                 started = time.perf_counter()
                 emitted = self._ar_step(pending, temperature, generator)
-                self.budget.observe_selection(0, 0)
+                self.budget.observe_selection(0)
                 self.metrics.record_plan(0)
                 self._add_sample(1, 0, started, self._ar_split)
                 return emitted
@@ -327,8 +329,11 @@ class HFEngine:
         accepted[:, : mask.shape[1]] = mask
         recorded = torch.arange(1, d + 1).unsqueeze(0) <= verified_depth.unsqueeze(1)
         self.budget.acceptance.record(depth_confidence(tree), accepted, recorded)
-        self.budget.observe_selection(int(verified_depth[0]), int(sel.counts[0]))
+        self.budget.observe_verification(result.accepted_len, sel.order_depth, 1, self._drafted_depth(tree))
+        self.budget.observe_selection(int(sel.counts[0]))
         self.metrics.record_plan(self._plan.depth, predicted)
+        if predicted is not None:
+            self.metrics.record_realised(result.accepted_len)
 
     def _spec_step(self, pending: int, temperature: float, generator: torch.Generator) -> list[int]:
         clock = started = time.perf_counter()

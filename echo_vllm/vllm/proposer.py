@@ -92,6 +92,8 @@ class PendingVerification:
 
     row_of_request: dict[str, int]
     confidence: torch.Tensor
+    predicted: bool = False  # the time-aware budget predicted this selection's accepted drafts
+    drafted_depth: int = 0  # how deep the step drafted (the depth plan's hindsight)
 
 
 class EchoProposer(EagleProposer):
@@ -146,6 +148,7 @@ class EchoProposer(EagleProposer):
         self.stats = EchoMetrics(d)
         self._init_budget(device)
         self._step_log = (os.environ.get(STEP_LOG_ENV) or "").replace("{rank}", str(self.tp_rank)) or None
+        self._step_log_file: Any = None
         self._log_interval = float(os.environ.get(LOG_INTERVAL_ENV, "10"))
         self._last_log = time.monotonic()
         self.prom = prom_metrics.exporter_for(self, vllm_config)  # ECHO's /metrics series (a no-op off rank 0)
@@ -231,7 +234,15 @@ class EchoProposer(EagleProposer):
         if self.use_heterogeneous_vocab:
             draft_ids = self.vocab_mapping.map_draft_to_target_ids(draft_ids)
         self._echo_ids.append(draft_ids)
-        if self._early_cap is not None and len(self._echo_ids) < self._draft_target and self._can_stop():
+        drafted = len(self._echo_ids)
+        # The test can only pass once B x drafted >= k_cap (it needs k_cap candidates ahead of every frontier), so
+        # below that it is skipped: its dozen small ops per depth cost more than they save at small batches.
+        if (
+            self._early_cap is not None
+            and drafted < self._draft_target
+            and draft_ids.shape[0] * drafted >= self._early_cap
+            and self._can_stop()
+        ):
             raise _DraftingDone
         return draft_ids, None
 
@@ -353,7 +364,7 @@ class EchoProposer(EagleProposer):
             self._pending = None
             self.stats.record_plan(0)
             if self.budget is not None:
-                self.budget.observe_selection(0, 0)
+                self.budget.observe_selection(0)
             if self._step_log and batch:  # plain steps belong to the record too (the oracle bound counts them)
                 self._write_step_log([0] * batch, batch, [[] for _ in range(batch)])
             if batch:  # a budget-0 step on /metrics too (K_i = 0 for every request)
@@ -369,7 +380,7 @@ class EchoProposer(EagleProposer):
         self.faults.maybe_inject("select")
         cap = self._plan.k_cap
         selection, predicted = (
-            self.budget.select(tree, gates, batch, self._plan, self.warming_up)
+            self.budget.select(tree, gates, batch, self._plan, self.warming_up, depth=depth, chain=True)
             if self.budget is not None
             else (None, None)
         )
@@ -383,14 +394,16 @@ class EchoProposer(EagleProposer):
         req_ids = list(self._runner.input_batch.req_ids[:batch]) if self._runner is not None else []
         padded = torch.zeros((batch, self.max_depth), dtype=confidence.dtype, device=confidence.device)
         padded[:, :depth] = confidence
-        self._pending = PendingVerification({rid: i for i, rid in enumerate(req_ids)}, padded)
+        self._pending = PendingVerification(
+            {rid: i for i, rid in enumerate(req_ids)}, padded, predicted is not None, depth
+        )
         step_sum = sum(counts)
         if self.k_max is not None and step_sum > self.k_max:  # select_budget guarantees this; never silent
             raise AssertionError(f"ECHO budget violated: sum of drafts {step_sum} > k_max {self.k_max}")
         self.stats.record_selection(selection.counts, cap, gates.depth_cap, gates.truncated)  # no sync
         self.stats.record_plan(depth, predicted)
         if self.budget is not None:
-            self.budget.observe_selection(max(counts, default=0), step_sum)
+            self.budget.observe_selection(step_sum)
         self._account(counts, batch, ragged)
         return ragged
 
@@ -465,6 +478,8 @@ class EchoProposer(EagleProposer):
             emitted = torch.tensor([len(sampled_token_ids[r[0]]) for r in rows], dtype=torch.long, device=device)
         accepted = (emitted - 1).clamp(min=0)
         self.stats.record_verification(emitted, accepted, verified, depth=verified)  # chains: depth = K_i
+        if pending.predicted:
+            self.stats.record_realised(accepted)
         if self._step_log:
             self._last_accepted = accepted.tolist()  # debug log only: a host sync
         d = self.max_depth
@@ -472,6 +487,8 @@ class EchoProposer(EagleProposer):
         mask = depths < accepted.unsqueeze(1)
         if self.budget is not None:
             self.budget.acceptance.record(confidence[old], mask, depths < verified.unsqueeze(1))
+            chain = torch.where(depths < verified.unsqueeze(1), depths + 1, torch.zeros_like(depths))
+            self.budget.observe_verification(accepted, chain, len(index_of), pending.drafted_depth)
         if self.calibration is None and self.echo_settings.warmup_steps > 0:
             self.recorder.record(confidence[old], mask, verified)
             self.warmup_recorded += 1
@@ -540,8 +557,9 @@ class EchoProposer(EagleProposer):
             "rest_s": self._last_times[0],  # this step's time outside the proposer
             "draft_s": self._last_times[1],  # the previous step's proposer time (this one is still running)
         }
-        with open(self._step_log, "a") as fh:
-            fh.write(json.dumps(record) + "\n")
+        if self._step_log_file is None:  # kept open, line-buffered: a write per step, no open/close
+            self._step_log_file = open(self._step_log, "a", buffering=1)  # lives as long as the proposer
+        self._step_log_file.write(json.dumps(record) + "\n")
 
     def echo_stats(self) -> dict[str, Any]:
         """The statistics as a dict (one host sync): EchoMetrics' figures, calibration and faults."""

@@ -159,7 +159,8 @@ class TimeAwareBudget:
         """A verified step in hindsight, for the depth plan: accepted [R] drafts per request, verified_depths [R, N]
         the depth of each verified node (0 = none), batch the requests of that step, drafted_depth how deep it
         drafted. Cut at depth d it would have emitted B + sum_i min(accepted_i, d) tokens for the verified nodes of
-        depth <= d and the drafting to depth d; the cost model prices it. (One small host sync: the counts.)"""
+        depth <= d and the drafting to depth d; the cost model prices it, and the plan averages each depth's rate
+        over the step's plain-decoding rate. (One small host sync: the counts.)"""
         cost = self.cost_model
         if cost is None or drafted_depth < 1 or batch < 1:
             return
@@ -172,7 +173,8 @@ class TimeAwareBudget:
         rates = [
             (batch + host[0][d]) / max(rest[d] + cost.draft_seconds(batch, d), 1e-12) for d in range(drafted_depth + 1)
         ]
-        self.controller.observe_levels(rates)
+        # Relative to the step's own plain-decoding rate: steps of different batch sizes average on one scale.
+        self.controller.observe_levels([r / max(rates[0], 1e-12) for r in rates])
 
     def add_sample(self, sample: StepSample, warming_up: bool) -> None:
         """A measured step; a step much slower than predicted waited for work and is dropped."""

@@ -325,6 +325,7 @@ def test_demo_wires_echo_auto_beside_nospec_and_eagle3(tmp_path):
     assert labels[0] == "nospec" and "echo-auto" in labels and sum(v.method == "eagle3" for v in plan.variants) >= 2
     auto = next(v for v in plan.variants if v.method == "echo-auto")
     assert auto.speculative_config(plan.testbed / "eagle3")["echo"]["k_max"] == "auto"
+    assert "echo" in labels  # the fixed K_max beside it: the demo shows ECHO at its best honest setting
     assert plan.rounds >= 3 and plan.batch_sizes == [1, 8]
     header = "\n".join(vllm_cli.header_lines(plan, "demo"))
     assert "rounds" in header and "prefix caching off" in header and '"k_max": "auto"' in header

@@ -7,7 +7,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from echo_vllm.core.tree import DraftTree, SyntheticDrafter, depth_major_layout, grow_tree, topk_stable
+from echo_vllm.core.tree import (
+    DraftTree,
+    SyntheticDrafter,
+    depth_major_layout,
+    grow_spine_siblings,
+    grow_tree,
+    topk_stable,
+)
 
 SETTINGS = settings(deadline=None, max_examples=80, database=None, derandomize=True)
 
@@ -182,3 +189,30 @@ def test_stop_after_keeps_shape_and_invalidates_deeper_depths():
     assert torch.equal(cut.scores[:, :kept], full.scores[:, :kept])
     assert not cut.valid[:, kept:].any()
     assert (cut.parent[:, kept:] < torch.arange(kept, max_depth * top_k)).all()  # still topologically numbered
+
+
+@pytest.mark.parametrize(("batch", "max_depth", "top_k", "seed"), [(1, 4, 3, 0), (3, 5, 4, 1), (2, 1, 2, 2)])
+def test_spine_siblings_tree_is_the_spine_and_its_leaves(batch, max_depth, top_k, seed):
+    """grow_spine_siblings: slot 0 is grow_tree's spine; slots 1..k-1 of depth d are the spine node's next-best
+    children (leaves); only the spine is expanded (one frontier node per head call)."""
+    vocab = 12
+    full = grow_tree(SyntheticDrafter(batch, vocab, max_depth, seed=seed), batch, max_depth, top_k)
+    drafter = SyntheticDrafter(batch, vocab, max_depth, seed=seed)
+    tree = grow_spine_siblings(drafter, batch, max_depth, top_k)
+    assert tree.tokens.shape == full.tokens.shape and torch.equal(tree.depth, full.depth)
+    assert torch.equal(tree.spine, full.spine)
+    spine = tree.spine[0]
+    assert torch.equal(tree.tokens[:, spine], full.tokens[:, spine])
+    assert torch.allclose(tree.scores[:, spine], full.scores[:, spine])
+    assert all(slots.shape[1] == 1 for _, slots in drafter.calls)  # one frontier node per expansion
+    for b in range(batch):
+        for d in range(1, max_depth + 1):
+            first = (d - 1) * top_k
+            parent = -1 if d == 1 else (d - 2) * top_k
+            assert tree.parent[b, first : first + top_k].tolist() == [parent] * top_k
+            parent_token = None if d == 1 else int(tree.tokens[b, parent])
+            logp = drafter.child_logprobs(b, d, parent_token if parent_token is not None else 0)
+            base = 0.0 if d == 1 else float(tree.scores[b, parent])
+            best = torch.sort(logp, descending=True, stable=True)
+            assert tree.tokens[b, first : first + top_k].tolist() == best.indices[:top_k].tolist()
+            assert torch.allclose(tree.scores[b, first : first + top_k], base + best.values[:top_k])

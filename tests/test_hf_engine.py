@@ -64,7 +64,7 @@ def assert_identical(engine: HFEngine, prompts, reference, label: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["chain", "eagle2", "dense", "fixed", "echo"])
+@pytest.mark.parametrize("method", ["chain", "eagle2", "siblings", "dense", "fixed", "echo"])
 def test_every_method_greedy_identical_to_ar(root, prompts, reference, method):
     assert len(prompts) >= 50
     settings = EchoSettings(k_max=16, top_k=4, warmup_steps=12, min_samples_per_class=2)

@@ -23,7 +23,15 @@ from .calibration import (
 )
 from .gating import Gates, depth_confidence, gate_caps, width_eligible
 from .metrics import EchoMetrics
-from .tree import Drafter, DraftTree, SyntheticDrafter, depth_major_layout, grow_tree, topk_stable
+from .tree import (
+    Drafter,
+    DraftTree,
+    SyntheticDrafter,
+    depth_major_layout,
+    grow_spine_siblings,
+    grow_tree,
+    topk_stable,
+)
 from .verify import VerifyResult, verify_greedy, verify_sampling
 
 __all__ = [
@@ -50,6 +58,7 @@ __all__ = [
     "depth_confidence",
     "depth_major_layout",
     "gate_caps",
+    "grow_spine_siblings",
     "grow_tree",
     "select_budget_reference",
     "topk_stable",

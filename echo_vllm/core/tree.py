@@ -173,6 +173,48 @@ def grow_tree(
     )
 
 
+def grow_spine_siblings(drafter: Drafter, batch: int, max_depth: int, top_k: int) -> DraftTree:
+    """The spine plus its sibling leaves, in the depth-major layout of `grow_tree` (issue #13, Stage 0).
+
+    Only the spine is expanded (one frontier node per depth: the head forwards of a chain); at each depth the top_k
+    children of the spine node are kept: slot 0 (the best) continues the spine, slots 1..top_k-1 are leaves. This
+    is what a chain drafter gets for free from the distributions it already computes, as opposed to a full tree
+    (`grow_tree`), which expands top_k frontier nodes per depth. Same tie rules and log-prob cleaning as
+    `grow_tree`; slot 0 of depth d is `grow_tree`'s spine node of depth d.
+    """
+    if max_depth < 1 or top_k < 1:
+        raise ValueError(f"max_depth and top_k must be >= 1; got max_depth={max_depth}, top_k={top_k}")
+    if drafter.vocab_size < top_k:
+        raise ValueError(f"top_k={top_k} exceeds the drafter vocabulary ({drafter.vocab_size})")
+    root = _clean_logprobs(drafter.root_logprobs())
+    if root.dim() != 2 or root.shape[0] != batch:
+        raise ValueError(f"root_logprobs must be [B={batch}, V]; got {tuple(root.shape)}")
+    device = root.device
+    scores, tokens = topk_stable(root, top_k)
+    all_tokens, all_scores = [tokens], [scores]
+    all_parents = [torch.full((batch, top_k), -1, dtype=torch.int32, device=device)]
+    spine_slot = torch.zeros((batch, 1), dtype=torch.int64, device=device)
+    for depth in range(2, max_depth + 1):
+        logp = _clean_logprobs(drafter.expand(tokens[:, :1], spine_slot, depth))
+        if logp.shape[:2] != (batch, 1) or logp.dim() != 3:
+            raise ValueError(f"expand must return [B={batch}, 1, V] for a one-node frontier; got {tuple(logp.shape)}")
+        child_logp, tokens = topk_stable(logp[:, 0], top_k)
+        scores = scores[:, :1] + child_logp
+        all_tokens.append(tokens)
+        all_scores.append(scores)
+        all_parents.append(torch.full((batch, top_k), (depth - 2) * top_k, dtype=torch.int32, device=device))
+    tree_scores = torch.cat(all_scores, dim=1)
+    depth_t, spine = depth_major_layout(batch, max_depth, top_k, device)
+    return DraftTree(
+        tokens=torch.cat(all_tokens, dim=1),
+        scores=tree_scores,
+        parent=torch.cat(all_parents, dim=1),
+        depth=depth_t,
+        valid=torch.isfinite(tree_scores),
+        spine=spine,
+    )
+
+
 def _pad_invalid(all_tokens, all_scores, all_parents, first_depth, max_depth, batch, top_k, device) -> None:
     """Fill depths first_depth..max_depth with invalid nodes hanging off the previous depth's slots."""
     for depth in range(first_depth, max_depth + 1):

@@ -4,6 +4,8 @@ Methods, all verified by the same tree verifier over the same target forward:
   ar      plain autoregressive decoding (the reference output);
   chain   a fixed chain of K = max_depth draft tokens (top_k = 1);
   eagle2  a dynamic tree reranked to a fixed total of K_max tokens by path score (no gates);
+  siblings the spine and its sibling leaves (only the spine is expanded: a chain's head forwards), reranked
+          like eagle2 (issue #13, Stage 0: what width costs without tree drafting);
   dense   ECHO's budget with a gate at every calibrated depth (ablation);
   fixed   ECHO's budget with one tau at every depth (ablation);
   echo    sparse gates at the calibrated sweet spots + the elastic budget.
@@ -31,6 +33,7 @@ from echo_vllm.core import (
     Gates,
     calibrate,
     depth_confidence,
+    grow_spine_siblings,
     grow_tree,
     verifier_inputs,
     verify_greedy,
@@ -56,6 +59,7 @@ class MethodSpec:
     gate_mode: str | None = None  # calibrated gates of this mode (warm-up, then gates), else never any gate
     chain: bool = False  # top_k 1 and K = max_depth: a fixed chain
     rerank: bool = False  # EAGLE-2: every node competes on path score (select_eagle2), no spine priority
+    siblings: bool = False  # the tree is the spine plus sibling leaves (grow_spine_siblings), not a full tree
 
 
 METHOD_SPECS = {
@@ -64,6 +68,7 @@ METHOD_SPECS = {
         MethodSpec("ar", drafts=False),
         MethodSpec("chain", drafts=True, chain=True),
         MethodSpec("eagle2", drafts=True, rerank=True),
+        MethodSpec("siblings", drafts=True, rerank=True, siblings=True),
         MethodSpec("dense", drafts=True, gate_mode="dense"),
         MethodSpec("fixed", drafts=True, gate_mode="fixed"),
         MethodSpec("echo", drafts=True, gate_mode="sparse"),
@@ -337,7 +342,10 @@ class HFEngine:
 
     def _spec_step(self, pending: int, temperature: float, generator: torch.Generator) -> list[int]:
         clock = started = time.perf_counter()
-        tree = grow_tree(self.drafter, 1, self.max_depth, self.top_k, stop_after=self._stop_drafting)
+        if self.spec.siblings:
+            tree = grow_spine_siblings(self.drafter, 1, self.max_depth, self.top_k)
+        else:
+            tree = grow_tree(self.drafter, 1, self.max_depth, self.top_k, stop_after=self._stop_drafting)
         clock = self.phases.add("draft", clock)
         sel, gates, predicted = self._budget(tree)
         clock = selected = self.phases.add("select", clock)

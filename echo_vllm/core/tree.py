@@ -93,6 +93,18 @@ def topk_stable(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     return torch.gather(chosen_values, -1, perm), torch.gather(chosen, -1, perm)
 
 
+def _checked_root(drafter: Drafter, batch: int, max_depth: int, top_k: int) -> torch.Tensor:
+    """The arguments of a tree builder checked, and the drafter's cleaned root log-probs [B, V]."""
+    if max_depth < 1 or top_k < 1:
+        raise ValueError(f"max_depth and top_k must be >= 1; got max_depth={max_depth}, top_k={top_k}")
+    if drafter.vocab_size < top_k:
+        raise ValueError(f"top_k={top_k} exceeds the drafter vocabulary ({drafter.vocab_size})")
+    root = _clean_logprobs(drafter.root_logprobs())
+    if root.dim() != 2 or root.shape[0] != batch:
+        raise ValueError(f"root_logprobs must be [B={batch}, V]; got {tuple(root.shape)}")
+    return root
+
+
 def _clean_logprobs(logprobs: torch.Tensor) -> torch.Tensor:
     """float32, NaN -> -inf, and clamped to <= 0 so that path scores never increase along a path."""
     logprobs = logprobs.to(torch.float32)
@@ -127,13 +139,7 @@ def grow_tree(
     useless (e.g. every request's gate has closed); the remaining depths are then filled with invalid nodes, so
     the tree keeps its shape. It costs a host sync per depth: the HF engine (B = 1) uses it, batched paths don't.
     """
-    if max_depth < 1 or top_k < 1:
-        raise ValueError(f"max_depth and top_k must be >= 1; got max_depth={max_depth}, top_k={top_k}")
-    if drafter.vocab_size < top_k:
-        raise ValueError(f"top_k={top_k} exceeds the drafter vocabulary ({drafter.vocab_size})")
-    root = _clean_logprobs(drafter.root_logprobs())
-    if root.dim() != 2 or root.shape[0] != batch:
-        raise ValueError(f"root_logprobs must be [B={batch}, V]; got {tuple(root.shape)}")
+    root = _checked_root(drafter, batch, max_depth, top_k)
     device = root.device
     scores, tokens = topk_stable(root, top_k)  # [B, k]
     all_tokens = [tokens]
@@ -182,13 +188,7 @@ def grow_spine_siblings(drafter: Drafter, batch: int, max_depth: int, top_k: int
     (`grow_tree`), which expands top_k frontier nodes per depth. Same tie rules and log-prob cleaning as
     `grow_tree`; slot 0 of depth d is `grow_tree`'s spine node of depth d.
     """
-    if max_depth < 1 or top_k < 1:
-        raise ValueError(f"max_depth and top_k must be >= 1; got max_depth={max_depth}, top_k={top_k}")
-    if drafter.vocab_size < top_k:
-        raise ValueError(f"top_k={top_k} exceeds the drafter vocabulary ({drafter.vocab_size})")
-    root = _clean_logprobs(drafter.root_logprobs())
-    if root.dim() != 2 or root.shape[0] != batch:
-        raise ValueError(f"root_logprobs must be [B={batch}, V]; got {tuple(root.shape)}")
+    root = _checked_root(drafter, batch, max_depth, top_k)
     device = root.device
     scores, tokens = topk_stable(root, top_k)
     all_tokens, all_scores = [tokens], [scores]

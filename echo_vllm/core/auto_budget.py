@@ -13,7 +13,7 @@ select through the same order.
 
 `drafting_can_stop` is the exact early exit of the draft loop for chains: once no node deeper than the current
 depth can be among the first `k_cap` candidates, drafting on cannot change the selection.
-`DraftController` picks each step's draft depth and candidate cap from the recent budget (host integers only),
+`DraftController` picks each step's draft depth (the depth worth most in hindsight) and candidate cap (host numbers only),
 with a periodic probe at full depth so that the acceptance statistics stay fresh.
 No vLLM import here; no host sync except where a docstring says so.
 """

@@ -167,16 +167,7 @@ def grow_tree(
         all_tokens.append(tokens)
         all_scores.append(scores)
         all_parents.append((parent_slots + (depth - 2) * top_k).to(torch.int32))
-    tree_scores = torch.cat(all_scores, dim=1)
-    depth_t, spine = depth_major_layout(batch, max_depth, top_k, device)
-    return DraftTree(
-        tokens=torch.cat(all_tokens, dim=1),
-        scores=tree_scores,
-        parent=torch.cat(all_parents, dim=1),
-        depth=depth_t,
-        valid=torch.isfinite(tree_scores),
-        spine=spine,
-    )
+    return _assemble(all_tokens, all_scores, all_parents, batch, max_depth, top_k, device)
 
 
 def grow_spine_siblings(drafter: Drafter, batch: int, max_depth: int, top_k: int) -> DraftTree:
@@ -203,6 +194,11 @@ def grow_spine_siblings(drafter: Drafter, batch: int, max_depth: int, top_k: int
         all_tokens.append(tokens)
         all_scores.append(scores)
         all_parents.append(torch.full((batch, top_k), (depth - 2) * top_k, dtype=torch.int32, device=device))
+    return _assemble(all_tokens, all_scores, all_parents, batch, max_depth, top_k, device)
+
+
+def _assemble(all_tokens, all_scores, all_parents, batch, max_depth, top_k, device) -> DraftTree:
+    """The per-depth [B, k] pieces of a tree builder as one depth-major DraftTree (valid = finite score)."""
     tree_scores = torch.cat(all_scores, dim=1)
     depth_t, spine = depth_major_layout(batch, max_depth, top_k, device)
     return DraftTree(

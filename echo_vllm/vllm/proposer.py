@@ -19,7 +19,7 @@ they feed the CalibrationRecorder; after `warmup_steps` recorded steps the gates
 warm-up verifies everything, profile steps sweep draft depths and verified fractions to measure the step cost
 (`CostModel`, fitted from the step times measured here, refit periodically and broadcast from TP rank 0), and from
 then on every step verifies the prefix of ECHO's order that maximises expected tokens per second, with each node's
-acceptance probability from `AcceptanceModel`. The draft depth follows the recent budget (`DraftController`), and
+acceptance probability from `AcceptanceModel`. The draft depth is the one worth most in hindsight (`DraftController`), and
 on CPU the draft loop ends as soon as no deeper node can be selected (`drafting_can_stop`, exact; on CUDA that
 test would cost a host sync per depth, so only the depth plan applies there).
 

@@ -49,9 +49,13 @@ class TreePlan:
             raise ValueError(f"TreePlan: {len(self.tokens)} tokens but {len(self.parent_local)} parents")
         if len(self.tokens) > MAX_TREE_NODES:
             raise ValueError(f"TreePlan: {len(self.tokens)} nodes exceed the tree capacity {MAX_TREE_NODES}")
+
+    def validate(self) -> TreePlan:
+        """Parents precede their children (the proposer's plans satisfy it by construction; tests check it)."""
         for j, p in enumerate(self.parent_local):
             if not -1 <= p < j:
                 raise ValueError(f"TreePlan: node {j} has parent {p}; parents must precede their children")
+        return self
 
     @classmethod
     def chain(cls, tokens: list[int]) -> TreePlan:

@@ -124,8 +124,9 @@ def build_tree_batch(
 ) -> TreeBatch | None:
     """The step's TreeBatch, or None when every scheduled prefix is a chain (the stock chain path is exact then).
 
-    plans[i]: the plan the proposer made for request i of this step's batch (None: it drafted nothing for it, or
-    the request is new); scheduled[i]: the draft tokens the scheduler scheduled for it (a prefix of the plan).
+    plans[i]: the plan the proposer made for request i of this step's batch; None: no plan (a new or resumed
+    request, whose scheduled drafts are the scheduler's placeholders), verified as a chain. scheduled[i]: the draft
+    tokens the scheduler scheduled for it, a prefix of its plan (anything else raises TreeMismatchError).
     """
     num_reqs = len(scheduled)
     if len(plans) != num_reqs or len(context_len) < num_reqs or len(root_row) < num_reqs:
@@ -134,13 +135,17 @@ def build_tree_batch(
             f"lengths and {len(root_row)} root rows must agree"
         )
     counts = np.array([len(s) for s in scheduled], dtype=np.int64)
+    plans = list(plans)  # completed below with the chain plans of unplanned drafts
     tree = False
     for i, drafts in enumerate(scheduled):
         if not drafts:
             continue
         plan = plans[i]
         n = len(drafts)
-        if plan is None or len(plan.tokens) < n or list(plan.tokens[:n]) != list(drafts):
+        if plan is None:  # drafts the proposer did not plan (the scheduler's placeholders): a chain is exact
+            plans[i] = TreePlan.chain(list(drafts))
+            continue
+        if len(plan.tokens) < n or list(plan.tokens[:n]) != list(drafts):
             raise TreeMismatchError(
                 f"request row {i}: scheduled drafts {list(drafts)[:8]}... are not a prefix of the tree plan "
                 f"{None if plan is None else list(plan.tokens)[:8]}..."

@@ -48,13 +48,15 @@ from echo_vllm.core.cost_model import StepSample
 from echo_vllm.core.gating import Gates, depth_confidence
 from echo_vllm.core.metrics import EchoMetrics
 from echo_vllm.core.time_budget import TimeAwareBudget
-from echo_vllm.core.tree import DraftTree
+from echo_vllm.core.tree import DraftTree, topk_stable
+from echo_vllm.core.tree_order import spine_first_order, spine_sibling_tree
 from echo_vllm.ops import select_budget
 from echo_vllm.vllm import instance_attrs, prom_metrics
 from echo_vllm.vllm import spec as echo_spec
 from echo_vllm.vllm.faults import guard_from_env
 from echo_vllm.vllm.stats_log import format_startup_line, format_stats_line
 from echo_vllm.vllm.tp_share import broadcast_from_rank0
+from echo_vllm.vllm.tree_state import TreePlan
 
 try:  # vLLM imports: this module is only imported inside a vLLM worker (EchoDrafterPatch)
     from vllm.v1.spec_decode.eagle import EagleProposer
@@ -94,6 +96,8 @@ class PendingVerification:
     confidence: torch.Tensor
     predicted: bool = False  # the time-aware budget predicted this selection's accepted drafts
     drafted_depth: int = 0  # how deep the step drafted (the depth plan's hindsight)
+    spine_len: torch.Tensor | None = None  # [B] selected spine nodes per request (trees; None: chains)
+    node_depth: torch.Tensor | None = None  # [B, N] depth of each listed draft, spine first (trees; None: chains)
 
 
 class EchoProposer(EagleProposer):
@@ -110,11 +114,18 @@ class EchoProposer(EagleProposer):
         self.max_depth = int(max_depth)
         self.auto = self.echo_settings.k_max == "auto"
         self.k_max: int | None = None if self.auto else int(self.echo_settings.k_max)
-        if self.echo_settings.top_k > 1:
-            logger.info(
-                "ECHO: top_k=%d needs tree verification, which the plugin does not have in vLLM yet; drafting chains (top_k=1)",
-                self.echo_settings.top_k,
-            )
+        # Trees (top_k > 1): the spine plus, at every depth, the top_k - 1 runner-up children of the spine node,
+        # verified in the same target forward (tree_state, tree_attn_cpu, tree_sampler); top_k = 1: chains.
+        self.top_k = int(self.echo_settings.top_k)
+        self.tree_mode = self.top_k > 1
+        # vLLM's config carries the tree capacity D * top_k (its per-request buffers and stats are sized by it);
+        # the draft loop runs D steps.
+        self.num_speculative_tokens = self.max_depth
+        self.tree_plans: dict[str, TreePlan] = {}  # this step's trees, checked against the next step's schedule
+        self.tree_head_rows: torch.Tensor | None = None  # set by the KV compaction: head inputs in path order
+        self._tree_step = False  # this step drafts trees (tree mode and the batch's sampling allows it)
+        self._tree_fallback_logged = False
+        self._echo_topk: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._runner = runner
         self.faults = guard_from_env(self.echo_settings.fault_limit)
         self._stage = "draft"  # the stage running now, named in fault reports
@@ -229,9 +240,20 @@ class EchoProposer(EagleProposer):
         if self.use_heterogeneous_vocab:
             logits = self.vocab_mapping.constrain_draft_logits(logits)
         logits32 = logits.float()  # a no-op for float32 logits
-        top, draft_ids = logits32.max(dim=-1)
-        self._echo_logps.append(top - torch.logsumexp(logits32, dim=-1))
-        if self.use_heterogeneous_vocab:
+        lse = torch.logsumexp(logits32, dim=-1)
+        if self._tree_step:
+            # The spine continues with slot 0 (argmax, lowest id among ties: the chain's token); slots 1..k-1 are
+            # the sibling leaves of this depth.
+            top_values, top_ids = topk_stable(logits32, self.top_k)
+            top_logps = (top_values - lse.unsqueeze(1)).clamp(max=0.0)
+            if self.use_heterogeneous_vocab:
+                top_ids = self.vocab_mapping.map_draft_to_target_ids(top_ids)
+            self._echo_topk.append((top_ids, top_logps))
+            top, draft_ids = top_values[:, 0], top_ids[:, 0]
+        else:
+            top, draft_ids = logits32.max(dim=-1)
+        self._echo_logps.append(top - lse)
+        if self.use_heterogeneous_vocab and not self._tree_step:
             draft_ids = self.vocab_mapping.map_draft_to_target_ids(draft_ids)
         self._echo_ids.append(draft_ids)
         drafted = len(self._echo_ids)
@@ -280,6 +302,8 @@ class EchoProposer(EagleProposer):
         try:
             self.faults.maybe_inject("draft")
             batch = self._runner.input_batch.num_reqs if self._runner is not None else 0
+            self._use_tree_head_rows(kwargs)
+            self._tree_step = self.tree_mode and self._trees_allowed(kwargs.get("sampling_metadata"))
             target = kwargs.get("target_token_ids")  # tokens of this step's target forward (the runner's keyword)
             self._step_tokens = int(target.shape[0]) if isinstance(target, torch.Tensor) else batch
             if self._last_end is not None:
@@ -293,6 +317,7 @@ class EchoProposer(EagleProposer):
             self._after_step(start, drafted, batch, drafts.shape[1])
         except Exception as err:
             self._pending = None
+            self.tree_plans = {}
             self.faults.record_fault(self._stage, err)
             if self.faults.should_raise:
                 raise
@@ -307,10 +332,11 @@ class EchoProposer(EagleProposer):
         """vLLM's draft loop at this step's planned depth, left early when `_can_stop` says nothing deeper counts."""
         plan = self._plan
         depth = min(int(num_speculative_tokens), plan.depth)
-        self._echo_logps, self._echo_ids = [], []
+        self._echo_logps, self._echo_ids, self._echo_topk = [], [], []
         self._draft_target = depth
         on_cpu = self._depth.device.type == "cpu"
-        self._early_cap = plan.k_cap if (on_cpu and depth > 1) else None
+        # The early-exit test is exact for chains only (a tree's deeper siblings rank after every spine node).
+        self._early_cap = plan.k_cap if (on_cpu and depth > 1 and not self._tree_step) else None
         try:
             return super().propose(depth, *args, **kwargs)
         except _DraftingDone:
@@ -319,11 +345,40 @@ class EchoProposer(EagleProposer):
             # vLLM's propose keeps the depth it was given; its dummy runs read it later: restore the configured one.
             self.num_speculative_tokens = self.max_depth
 
+    def _use_tree_head_rows(self, kwargs: dict) -> None:
+        """After a tree step, feed the EAGLE head its inputs in accepted-path order (root, path, the rest), so its
+        first pass writes its KV where the target's now is (compacted) and reads the path's hidden states."""
+        rows, self.tree_head_rows = self.tree_head_rows, None
+        if rows is None:
+            return
+        for key in ("target_token_ids", "target_hidden_states"):
+            value = kwargs.get(key)
+            if not isinstance(value, torch.Tensor) or value.shape[0] != rows.shape[0]:
+                raise RuntimeError(
+                    f"ECHO tree step: {key} has {getattr(value, 'shape', None)} rows, the compaction planned "
+                    f"{rows.shape[0]}"
+                )
+            kwargs[key] = value[rows]
+
+    def _trees_allowed(self, sampling_metadata: Any) -> bool:
+        """Whether this step's batch can be verified as trees; otherwise chains (logged once)."""
+        from echo_vllm.vllm.tree_sampler import tree_ineligible_reason
+
+        reason = tree_ineligible_reason(sampling_metadata) if sampling_metadata is not None else None
+        if reason is not None and not self._tree_fallback_logged:
+            self._tree_fallback_logged = True
+            logger.info(
+                "ECHO: drafting chains in steps whose batch has %s (tree verification cannot honour it)", reason
+            )
+        return reason is None
+
     def _before_drafting(self, batch: int) -> None:
         """This step's draft plan (for 'auto' also the refit points: the same step on every TP rank)."""
         ceiling = batch * self.max_depth
         if self.budget is not None:
-            self._plan = self.budget.plan(batch, 1, self.warming_up, warmup_cap=ceiling)
+            # Warm-up verifies the spines (what the gates calibrate on); later phases may add every sibling.
+            nodes_per_depth = self.top_k if self._tree_step else 1
+            self._plan = self.budget.plan(batch, nodes_per_depth, self.warming_up, warmup_cap=ceiling)
             cost = self.budget.cost_model
             if cost is not None and not self._budget_logged:
                 self._budget_logged = True
@@ -334,7 +389,8 @@ class EchoProposer(EagleProposer):
                     cost.num_samples,
                 )
         else:
-            self._plan = DraftPlan(self.max_depth, min(int(self.k_max or 0), ceiling), False)
+            nodes = ceiling * (self.top_k if self._tree_step else 1)
+            self._plan = DraftPlan(self.max_depth, min(int(self.k_max or 0), nodes), False)
 
     def _after_step(self, start: float, drafted: float, batch: int, depth: int) -> None:
         """Step timing: rest = since the last step's proposer ended, draft = this proposer call; a cost sample."""
@@ -360,6 +416,7 @@ class EchoProposer(EagleProposer):
     def _select(self, drafts: torch.Tensor) -> list[list[int]]:
         """Gates and the batch-wide budget over the drafted chains -> each request's first K_i tokens."""
         batch, depth = drafts.shape
+        self.tree_plans = {}
         if depth == 0 or batch == 0:
             self._pending = None
             self.stats.record_plan(0)
@@ -371,7 +428,7 @@ class EchoProposer(EagleProposer):
                 self.prom.on_step(self, [0] * batch, 0)
             return [[] for _ in range(batch)]
         logps = torch.stack(self._echo_logps[-depth:], dim=1)[:batch]  # [B, depth]
-        tree = self._chain_tree(drafts, logps)
+        tree = self._sibling_tree(batch, depth) if self._tree_step else self._chain_tree(drafts, logps)
         self._stage = "gates"
         self.faults.maybe_inject("gates")
         confidence = depth_confidence(tree)
@@ -380,22 +437,31 @@ class EchoProposer(EagleProposer):
         self.faults.maybe_inject("select")
         cap = self._plan.k_cap
         selection, predicted = (
-            self.budget.select(tree, gates, batch, self._plan, self.warming_up, depth=depth, chain=True)
+            self.budget.select(tree, gates, batch, self._plan, self.warming_up, depth=depth, chain=not self._tree_step)
             if self.budget is not None
             else (None, None)
         )
         if selection is None:
             selection = self._capped_selection(tree, gates, cap)
 
-        # The one host sync of the step: the ragged drafts must reach the scheduler as Python lists.
-        counts = selection.counts.tolist()
-        tokens = drafts.tolist()
-        ragged = [row[:c] for row, c in zip(tokens, counts)]
         req_ids = list(self._runner.input_batch.req_ids[:batch]) if self._runner is not None else []
+        spine_len = verified_depths = None
+        if self._tree_step:
+            counts, ragged, spine_len, verified_depths = self._emit_trees(selection, tree, req_ids)
+        else:
+            # The one host sync of the step: the ragged drafts must reach the scheduler as Python lists.
+            counts = selection.counts.tolist()
+            tokens = drafts.tolist()
+            ragged = [row[:c] for row, c in zip(tokens, counts)]
         padded = torch.zeros((batch, self.max_depth), dtype=confidence.dtype, device=confidence.device)
         padded[:, :depth] = confidence
         self._pending = PendingVerification(
-            {rid: i for i, rid in enumerate(req_ids)}, padded, predicted is not None, depth
+            {rid: i for i, rid in enumerate(req_ids)},
+            padded,
+            predicted is not None,
+            depth,
+            spine_len,
+            verified_depths,
         )
         step_sum = sum(counts)
         if self.k_max is not None and step_sum > self.k_max:  # select_budget guarantees this; never silent
@@ -406,6 +472,31 @@ class EchoProposer(EagleProposer):
             self.budget.observe_selection(step_sum)
         self._account(counts, batch, ragged)
         return ragged
+
+    def _sibling_tree(self, batch: int, depth: int) -> DraftTree:
+        """The spine and its sibling leaves from the per-depth top-k kept while drafting (depth-major layout)."""
+        ids = torch.stack([t for t, _ in self._echo_topk[-depth:]], dim=1)[:batch]  # [B, depth, k]
+        logps = torch.stack([lp for _, lp in self._echo_topk[-depth:]], dim=1)[:batch]
+        logps = torch.nan_to_num(logps, nan=float("-inf"))
+        return spine_sibling_tree(ids, logps, self._kept_rows(batch))
+
+    def _emit_trees(
+        self, selection: BudgetSelection, tree: DraftTree, req_ids: list[str]
+    ) -> tuple[list[int], list[list[int]], torch.Tensor, torch.Tensor]:
+        """The selection in spine-first order: (counts, ragged drafts, spine lengths, depths of the listed nodes);
+        each request's topology is kept in `tree_plans` for the next step (the scheduler sees only tokens)."""
+        order = spine_first_order(selection, tree)
+        width = order.tokens.shape[1]
+        # The one host sync of the step: counts, tokens and parents in one copy.
+        packed = torch.cat([order.counts.unsqueeze(1), order.tokens, order.parent_local], dim=1).tolist()
+        counts = [row[0] for row in packed]
+        ragged = [row[1 : 1 + c] for row, c in zip(packed, counts)]
+        self.tree_plans = {
+            rid: TreePlan(tuple(ragged[i]), tuple(packed[i][1 + width : 1 + width + counts[i]]))
+            for i, rid in enumerate(req_ids)
+            if counts[i]
+        }
+        return counts, ragged, order.spine_len, order.depth
 
     def _capped_selection(self, tree: DraftTree, gates: Gates, cap: int) -> BudgetSelection:
         """ECHO's fixed rule: the first `cap` candidates (integer k_max, and the warm-up of 'auto')."""
@@ -477,20 +568,27 @@ class EchoProposer(EagleProposer):
         else:
             emitted = torch.tensor([len(sampled_token_ids[r[0]]) for r in rows], dtype=torch.long, device=device)
         accepted = (emitted - 1).clamp(min=0)
-        self.stats.record_verification(emitted, accepted, verified, depth=verified)  # chains: depth = K_i
+        d = self.max_depth
+        depths = torch.arange(d, device=device).unsqueeze(0)
+        if pending.node_depth is not None:  # trees: the scheduled prefix of each request's spine-first list
+            listed = pending.node_depth[old]
+            columns = torch.arange(listed.shape[1], device=device).unsqueeze(0)
+            node_depths = torch.where(columns < verified.unsqueeze(1), listed, torch.zeros_like(listed))
+            verified_depth = node_depths.amax(dim=1) if listed.shape[1] else torch.zeros_like(verified)
+        else:  # chains: K_i nodes at depths 1..K_i
+            node_depths = torch.where(depths < verified.unsqueeze(1), depths + 1, torch.zeros_like(depths))
+            verified_depth = verified
+        self.stats.record_verification(emitted, accepted, verified, depth=verified_depth)
         if pending.predicted:
             self.stats.record_realised(accepted)
         if self._step_log:
             self._last_accepted = accepted.tolist()  # debug log only: a host sync
-        d = self.max_depth
-        depths = torch.arange(d, device=device).unsqueeze(0)
         mask = depths < accepted.unsqueeze(1)
         if self.budget is not None:
-            self.budget.acceptance.record(confidence[old], mask, depths < verified.unsqueeze(1))
-            chain = torch.where(depths < verified.unsqueeze(1), depths + 1, torch.zeros_like(depths))
-            self.budget.observe_verification(accepted, chain, len(index_of), pending.drafted_depth)
+            self.budget.acceptance.record(confidence[old], mask, depths < verified_depth.unsqueeze(1))
+            self.budget.observe_verification(accepted, node_depths, len(index_of), pending.drafted_depth)
         if self.calibration is None and self.echo_settings.warmup_steps > 0:
-            self.recorder.record(confidence[old], mask, verified)
+            self.recorder.record(confidence[old], mask, verified_depth)
             self.warmup_recorded += 1
             if self.warmup_recorded >= self.echo_settings.warmup_steps:
                 self._finish_warmup()

@@ -108,13 +108,6 @@ class TreeBatch:
         return int(self.fix_rows.shape[0])
 
 
-def spine_first_plans(
-    tokens: list[list[int]], parents: list[list[int]], counts: list[int]
-) -> list[TreePlan]:
-    """Plans from host lists already in spine-first order (row i: its first counts[i] entries)."""
-    return [TreePlan(tuple(t[:c]), tuple(p[:c])) for t, p, c in zip(tokens, parents, counts)]
-
-
 def build_tree_batch(
     plans: list[TreePlan | None],
     scheduled: list[list[int]],

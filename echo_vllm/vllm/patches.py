@@ -17,6 +17,8 @@ import os
 import time
 from typing import Any, ClassVar
 
+import torch
+
 from echo_vllm.config import EchoConfigError
 from echo_vllm.device import cuda_available
 from echo_vllm.runtime_env import THREADS_BIND_ENV, CpuThreadBindError, ensure_cpu_threads_bind
@@ -207,7 +209,12 @@ class EchoEngineConfigPatch(EchoPatch):
     @staticmethod
     def _create(engine_args, spec, original, args, kwargs):
         _require_all_hooks()  # ECHO requested: the whole table, before anything is changed or started
-        eagle, payload = echo_spec.translate(spec)
+        on_cuda = _running_on_cuda()
+        eagle, payload = echo_spec.translate(spec, trees_supported=not on_cuda)
+        if on_cuda and payload["settings"]["top_k"] > 1:
+            logger.warning(
+                "ECHO requested: tree verification has no CUDA attention path yet; drafting chains (top_k=1)"
+            )
         _check_combinations(spec, engine_args)  # before anything is changed: a refusal leaves the args as given
         engine_args.speculative_config = eagle
         extra = dict(engine_args.additional_config or {})
@@ -215,7 +222,7 @@ class EchoEngineConfigPatch(EchoPatch):
         engine_args.additional_config = extra
         engine_args.async_scheduling = False
         logger.info("ECHO requested: running as eagle3 with per-request draft budgets; async scheduling disabled")
-        if _running_on_cuda() and os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0":
+        if on_cuda and os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0":
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
             logger.info("ECHO requested: forcing the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)")
         _bind_cpu_worker_threads(engine_args)
@@ -249,6 +256,12 @@ class EchoDrafterPatch(EchoPatch):
             from echo_vllm.vllm.proposer import EchoProposer
 
             CpuExpandKernelOverride.activate()  # before the runner builds its samplers
+            trees = bool(echo_spec.echo_payload(vllm_config).get("tree", False))
+            if trees:
+                from echo_vllm.vllm.tree_attn_cpu import register_cpu_tree_backend
+
+                # Before the original: its attention layers look their backend up while they are built.
+                register_cpu_tree_backend()
 
             module: Any = importlib.import_module("vllm.v1.worker.gpu_model_runner")
             saved = module.EagleProposer
@@ -260,6 +273,11 @@ class EchoDrafterPatch(EchoPatch):
             instance_attrs.require(self, instance_attrs.RUNNER)  # vLLM drift fails here, not mid-step
             if not isinstance(self.drafter, EchoProposer):
                 raise EchoConfigError(f"ECHO requested but the runner built {type(self.drafter).__name__}")
+            if trees:
+                from echo_vllm.vllm.tree_sampler import EchoTreeRejectionSampler
+
+                # Chain steps go through vLLM's own sampler unchanged (the subclass delegates when no tree is set).
+                self.rejection_sampler = EchoTreeRejectionSampler(self.sampler, self.speculative_config, self.device)
             return None
 
         return __init__
@@ -326,11 +344,108 @@ class EchoVerificationFeedbackPatch(EchoPatch):
         return propose_draft_token_ids
 
 
+class EchoTreeInputsPatch(EchoPatch):
+    """After the runner's own input preparation: this step's trees (`tree_state.TreeBatch`) from the drafter's
+    plans and the scheduled drafts, tree positions (context + depth) for the draft rows, published for the
+    attention backend and the sampler. Slots stay linear: vLLM derived them from the linear positions already."""
+
+    hook = "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs"
+    why = "tree steps: check the scheduled drafts against the tree plans, tree positions, publish the TreeBatch"
+    params = ("self", "scheduler_output", "num_scheduled_tokens")
+
+    @classmethod
+    def build(cls, original):
+        def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+            from echo_vllm.vllm import tree_state
+
+            tree_state.clear()  # a batch left by a step that raised must never reach this one
+            result = original(self, scheduler_output, num_scheduled_tokens)
+            plans = getattr(getattr(self, "drafter", None), "tree_plans", None)
+            if plans and scheduler_output.scheduled_spec_decode_tokens:
+                _publish_tree_batch(self, scheduler_output.scheduled_spec_decode_tokens, plans)
+            return result
+
+        return _prepare_inputs
+
+
+def _publish_tree_batch(runner: Any, scheduled_spec: dict[str, list[int]], plans: dict[str, Any]) -> None:
+    from echo_vllm.vllm import tree_state
+
+    num_reqs = runner.input_batch.num_reqs
+    req_ids = runner.input_batch.req_ids[:num_reqs]
+    batch = tree_state.build_tree_batch(
+        [plans.get(rid) for rid in req_ids],
+        [scheduled_spec.get(rid, []) for rid in req_ids],
+        runner.input_batch.num_computed_tokens_cpu[:num_reqs],
+        runner.query_start_loc.np[:num_reqs],
+        runner.device,
+    )
+    if batch is None:  # every scheduled prefix is a chain: vLLM's own path is exact
+        return
+    rows = torch.from_numpy(batch.draft_rows).to(runner.device)
+    runner.positions[rows] = torch.from_numpy(batch.tree_positions).to(runner.device, runner.positions.dtype)
+    tree_state.publish(batch)
+
+
+class EchoTreeKVCompactionPatch(EchoPatch):
+    """Right after sampling a tree step: move the accepted path's KV to the slots after the root in every
+    attention layer (the scheduler's rollback keeps the first 1 + accepted slots, as for a chain), restore the
+    linear positions the drafter reads, and hand the drafter its inputs in path order. In the same step: a
+    finished request's blocks may be freed and reused by the next one, so deferring the copy is unsafe."""
+
+    hook = "vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states_after_model_execute"
+    why = "tree steps: compact the accepted path's KV, restore linear positions, path-ordered drafter inputs"
+    params = ("self", "output_token_ids", "scheduler_output")
+
+    @classmethod
+    def build(cls, original):
+        def _update_states_after_model_execute(self, output_token_ids, scheduler_output):
+            from echo_vllm.vllm import tree_state
+
+            batch = tree_state.current()
+            if batch is not None:
+                try:
+                    _compact_tree_step(self, batch, scheduler_output.total_num_scheduled_tokens)
+                finally:
+                    tree_state.clear()
+            return original(self, output_token_ids, scheduler_output)
+
+        return _update_states_after_model_execute
+
+
+def _compact_tree_step(runner: Any, batch: Any, num_tokens: int) -> None:
+    from echo_vllm.vllm import tree_state
+    from echo_vllm.vllm.tree_attn_cpu import echo_compact
+
+    device = runner.device
+    rows = torch.from_numpy(batch.draft_rows).to(device)
+    runner.positions[rows] = torch.from_numpy(batch.linear_positions).to(device, runner.positions.dtype)
+    src, dst = tree_state.compaction_rows(batch)
+    head_rows = torch.arange(num_tokens, device=device)
+    if src.numel():
+        seen: set[int] = set()
+        context = runner.compilation_config.static_forward_context
+        for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
+            slot_mapping = runner.input_batch.block_table[gid].slot_mapping.gpu
+            src_slots, dst_slots = slot_mapping[src], slot_mapping[dst]
+            for name in group.layer_names:
+                layer = context.get(name)
+                kv = getattr(layer, "kv_cache", None)
+                if not isinstance(kv, torch.Tensor) or kv.data_ptr() in seen:
+                    continue
+                seen.add(kv.data_ptr())
+                echo_compact(kv, src_slots, dst_slots)
+        head_rows[dst] = src
+    runner.drafter.tree_head_rows = head_rows
+
+
 PATCHES: tuple[type[EchoPatch], ...] = (
     SpeculativeConfigPathPatch,
     EchoEngineConfigPatch,
     EchoDrafterPatch,
     EchoVerificationFeedbackPatch,
+    EchoTreeInputsPatch,
+    EchoTreeKVCompactionPatch,
 )
 
 

@@ -117,7 +117,7 @@ class EchoProposer(EagleProposer):
         # Trees (top_k > 1): the spine plus, at every depth, the top_k - 1 runner-up children of the spine node,
         # verified in the same target forward (tree_state, tree_attn_cpu, tree_sampler); top_k = 1: chains.
         self.top_k = int(self.echo_settings.top_k)
-        self.tree_mode = self.top_k > 1
+        self.tree_mode = bool(payload.get("tree", False)) and self.top_k > 1
         # vLLM's config carries the tree capacity D * top_k (its per-request buffers and stats are sized by it);
         # the draft loop runs D steps.
         self.num_speculative_tokens = self.max_depth

@@ -119,13 +119,34 @@ def validate(spec: Any, *, check_files: bool = True) -> EchoSpec:
     return valid
 
 
-def translate(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(eagle3 speculative config for vLLM, payload for additional_config['echo']); EchoConfigError if invalid."""
+def translate(spec: dict[str, Any], *, trees_supported: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(eagle3 speculative config for vLLM, payload for additional_config['echo']); EchoConfigError if invalid.
+
+    With echo.top_k > 1 (and `trees_supported`: the platform has the tree attention backend) requests draft
+    trees: vLLM's num_speculative_tokens becomes the tree capacity max_depth * top_k, which sizes its per-request
+    draft buffers, KV lookahead and spec-decode statistics; the payload keeps the draft depth.
+    """
     valid = validate(spec, check_files=True)
     eagle = {k: v for k, v in spec.items() if k != "echo"}
     eagle["method"] = "eagle3"
     eagle["model"] = valid.head
-    payload = {"settings": valid.settings.model_dump(), "max_depth": valid.max_depth, "head": valid.head}
+    trees = trees_supported and valid.settings.top_k > 1
+    if trees:
+        from echo_vllm.vllm.tree_state import MAX_TREE_NODES  # lazy: torch is not needed to validate a config
+
+        capacity = valid.max_depth * valid.settings.top_k
+        if capacity > MAX_TREE_NODES:
+            raise EchoConfigError(
+                f"speculative config: num_speculative_tokens x echo.top_k = {capacity} exceeds the tree capacity "
+                f"{MAX_TREE_NODES}; lower echo.top_k or num_speculative_tokens"
+            )
+        eagle["num_speculative_tokens"] = capacity
+    payload = {
+        "settings": valid.settings.model_dump(),
+        "max_depth": valid.max_depth,
+        "head": valid.head,
+        "tree": trees,
+    }
     return eagle, payload
 
 

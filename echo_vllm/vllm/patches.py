@@ -387,6 +387,9 @@ def _publish_tree_batch(runner: Any, scheduled_spec: dict[str, list[int]], plans
     tree_state.publish(batch)
 
 
+NO_COMPACTION_ENV = "ECHO_VLLM_TREE_NO_COMPACTION"
+
+
 class EchoTreeKVCompactionPatch(EchoPatch):
     """Right after sampling a tree step: move the accepted path's KV to the slots after the root in every
     attention layer (the scheduler's rollback keeps the first 1 + accepted slots, as for a chain), restore the
@@ -422,7 +425,11 @@ def _compact_tree_step(runner: Any, batch: Any, num_tokens: int) -> None:
     runner.positions[rows] = torch.from_numpy(batch.linear_positions).to(device, runner.positions.dtype)
     src, dst = tree_state.compaction_rows(batch)
     head_rows = torch.arange(num_tokens, device=device)
-    if src.numel():
+    moved = int(src.numel())
+    runner.drafter.tree_leaf_accepts += moved
+    runner.drafter._last_leaf_accepts = moved
+    # Tests only: without the copy the KV after the root is the rejected rows', so identity must break.
+    if moved and os.environ.get(NO_COMPACTION_ENV) != "1":
         seen: set[int] = set()
         context = runner.compilation_config.static_forward_context
         for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
@@ -435,6 +442,7 @@ def _compact_tree_step(runner: Any, batch: Any, num_tokens: int) -> None:
                     continue
                 seen.add(kv.data_ptr())
                 echo_compact(kv, src_slots, dst_slots)
+    if moved:
         head_rows[dst] = src
     runner.drafter.tree_head_rows = head_rows
 

@@ -56,6 +56,7 @@ from echo_vllm.vllm import spec as echo_spec
 from echo_vllm.vllm.faults import guard_from_env
 from echo_vllm.vllm.stats_log import format_startup_line, format_stats_line
 from echo_vllm.vllm.tp_share import broadcast_from_rank0
+from echo_vllm.vllm.tree_adversary import adversary_from_env
 from echo_vllm.vllm.tree_state import TreePlan
 
 try:  # vLLM imports: this module is only imported inside a vLLM worker (EchoDrafterPatch)
@@ -126,6 +127,9 @@ class EchoProposer(EagleProposer):
         self._tree_step = False  # this step drafts trees (tree mode and the batch's sampling allows it)
         self._tree_fallback_logged = False
         self._echo_topk: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._adversary = adversary_from_env() if self.tree_mode else None
+        self.tree_leaf_accepts = 0  # accepted nodes that had to be moved (non-spine paths), for logs and tests
+        self._last_leaf_accepts = 0
         self._runner = runner
         self.faults = guard_from_env(self.echo_settings.fault_limit)
         self._stage = "draft"  # the stage running now, named in fault reports
@@ -297,6 +301,7 @@ class EchoProposer(EagleProposer):
         self._step_start = None
         if self.faults.disabled:
             self._pending = None
+            self.tree_plans, self.tree_head_rows = {}, None
             return self._no_drafts()
         self._stage = "draft"
         try:
@@ -491,12 +496,36 @@ class EchoProposer(EagleProposer):
         packed = torch.cat([order.counts.unsqueeze(1), order.tokens, order.parent_local], dim=1).tolist()
         counts = [row[0] for row in packed]
         ragged = [row[1 : 1 + c] for row, c in zip(packed, counts)]
+        parents = [row[1 + width : 1 + width + c] for row, c in zip(packed, counts)]
+        node_depth = order.depth
+        if self._adversary is not None:  # tests only: random trees around the head's chains
+            ragged, parents, node_depth = self._adversarial_trees(tree, counts)
+            counts = [len(r) for r in ragged]
         self.tree_plans = {
-            rid: TreePlan(tuple(ragged[i]), tuple(packed[i][1 + width : 1 + width + counts[i]]))
-            for i, rid in enumerate(req_ids)
-            if counts[i]
+            rid: TreePlan(tuple(ragged[i]), tuple(parents[i])) for i, rid in enumerate(req_ids) if counts[i]
         }
-        return counts, ragged, order.spine_len, order.depth
+        return counts, ragged, order.spine_len, node_depth
+
+    def _adversarial_trees(
+        self, tree: DraftTree, counts: list[int]
+    ) -> tuple[list[list[int]], list[list[int]], torch.Tensor]:
+        """Each request's selected count of nodes as a random tree around its drafted chain (`tree_adversary`)."""
+        from echo_vllm.vllm.tree_adversary import adversarial_tree
+
+        assert self._adversary is not None
+        chains = tree.tokens[:, :: self.top_k].tolist()
+        vocab = int(self.vllm_config.model_config.get_vocab_size())
+        ragged, parents = [], []
+        for chain, count in zip(chains, counts):
+            tokens, parent = adversarial_tree(chain, count, vocab, self._adversary)
+            ragged.append(tokens)
+            parents.append(parent)
+        width = max([len(r) for r in ragged] + [1])
+        depth = torch.zeros((len(ragged), width), dtype=torch.int64)
+        for i, parent in enumerate(parents):
+            for j, p in enumerate(parent):
+                depth[i, j] = 1 if p < 0 else int(depth[i, p]) + 1
+        return ragged, parents, depth.to(tree.tokens.device)
 
     def _capped_selection(self, tree: DraftTree, gates: Gates, cap: int) -> BudgetSelection:
         """ECHO's fixed rule: the first `cap` candidates (integer k_max, and the warm-up of 'auto')."""
@@ -652,6 +681,8 @@ class EchoProposer(EagleProposer):
             "drafted_depth": len(self._echo_ids),  # drafted (the early exit may stop sooner)
             "num_tokens": self._step_tokens,  # tokens in this step's target forward
             "accepted": self._last_accepted,  # accepted drafts per verified request, of this step's forward
+            "tree_step": self._tree_step,  # this step drafted trees
+            "moved": self._last_leaf_accepts,  # accepted nodes off the spine in this step's forward (KV moved)
             "rest_s": self._last_times[0],  # this step's time outside the proposer
             "draft_s": self._last_times[1],  # the previous step's proposer time (this one is still running)
         }

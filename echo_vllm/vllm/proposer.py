@@ -329,6 +329,7 @@ class EchoProposer(EagleProposer):
             return self._no_drafts()
         finally:
             self._early_cap = None
+            self._last_leaf_accepts = 0  # set by the next tree step's compaction
         if not self._feedback_faulted:
             self.faults.record_success()
         return ragged

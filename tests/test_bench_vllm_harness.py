@@ -61,6 +61,15 @@ def test_variants_expand_eagle3_depths_and_echo_auto():
         expand_variants(["eagle3"], [0, 2], 4, ECHO)
 
 
+def test_echo_tree_is_the_auto_budget_with_trees_and_the_others_verify_chains():
+    variants = expand_variants(["echo", "echo-auto", "echo-tree"], [], 4, {**ECHO, "top_k": 3}, tree_top_k=3)
+    blocks = {v.label: v.speculative_config(Path("/head"))["echo"] for v in variants[1:]}
+    assert blocks["echo"]["top_k"] == 1 and blocks["echo-auto"]["top_k"] == 1
+    assert blocks["echo-tree"] == {**ECHO, "k_max": "auto", "top_k": 3}
+    with pytest.raises(BenchPlanError, match="top-k"):
+        expand_variants(["echo-tree"], [], 4, ECHO, tree_top_k=1)
+
+
 def test_prompts_fill_whole_batches_cycling_the_dataset():
     data = ["a", "b", "c"]
     assert prompts_for_batch(data, 4, 2) == ["a", "b", "c", "a"]  # at least one full batch

@@ -105,10 +105,10 @@ def resolve_testbed(explicit: str | None) -> Path:
 
 
 def echo_block(args: argparse.Namespace) -> dict[str, Any]:
-    """The `echo` block of method 'echo' from --k-max/--top-k/--warmup-steps/--no-surplus-tail (unvalidated)."""
+    """The shared `echo` block from --k-max/--warmup-steps/--profile-steps/--no-surplus-tail (unvalidated); each
+    ECHO method sets its own top_k (`expand_variants`)."""
     return {
         "k_max": getattr(args, "k_max", 16),
-        "top_k": getattr(args, "top_k", 1),
         "warmup_steps": getattr(args, "warmup_steps", 16),
         "profile_steps": getattr(args, "profile_steps", 24),
         "surplus_tail": getattr(args, "surplus_tail", True),
@@ -132,7 +132,9 @@ def plan_from_args(args: argparse.Namespace, dataset: list[str] | None = None) -
         raise BenchPlanError(f"--limit and --max-tokens must be >= 1; got {args.limit} and {args.max_tokens}")
     if not args.batch_sizes or min(args.batch_sizes) < 1:
         raise BenchPlanError(f"--batch-sizes: give sizes >= 1; got {args.batch_sizes!r}")
-    variants = expand_variants(_csv(args.methods), args.eagle3_depths, args.depth, echo_block(args))
+    variants = expand_variants(
+        _csv(args.methods), args.eagle3_depths, args.depth, echo_block(args), getattr(args, "top_k", 4)
+    )
     if dataset is None:
         from echo_vllm.bench.datasets import load_prompts
 
@@ -317,7 +319,9 @@ def add_vllm_args(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> 
     parser.add_argument("--max-tokens", type=int, default=defaults["max_tokens"])
     parser.add_argument("--depth", type=int, default=4, help="echo, echo-auto: max draft depth")
     parser.add_argument("--k-max", type=int, default=16, help="echo: batch-wide draft tokens verified per step")
-    parser.add_argument("--top-k", type=int, default=1, help="echo: top_k (vLLM verifies chains only: 1)")
+    parser.add_argument(
+        "--top-k", type=int, default=4, help="echo-tree: top_k (the spine and top_k - 1 sibling leaves per depth)"
+    )
     parser.add_argument(
         "--warmup-steps", type=int, default=16, help="echo: verification steps before gates apply (in the warm-up)"
     )

@@ -4,7 +4,8 @@ No vLLM or torch import here: the plan is plain data, so its tests run without a
 
 A *variant* is one engine configuration: `nospec`, `eagle3` at one depth (every depth of --eagle3-depths is a
 variant of its own, the tuned baseline is picked from them afterwards), `echo` (a fixed integer K_max) or
-`echo-auto` (`"k_max": "auto"`). Rounds run every variant once, in an order rotated by one per round
+`echo-auto` (`"k_max": "auto"`), both verifying chains (top_k 1), or `echo-tree` (`"k_max": "auto"` with draft
+trees: the spine and its top_k - 1 sibling leaves per depth, top_k from --top-k). Rounds run every variant once, in an order rotated by one per round
 (A B C, B C A, C A B, ...), so slow drift of a shared machine hits every method alike
 (../shared/notes/benchmark-protocol.md).
 """
@@ -18,8 +19,9 @@ from typing import Any
 
 from echo_vllm.errors import ConfigError
 
-METHODS = ("nospec", "eagle3", "echo", "echo-auto")
-ECHO_METHODS = ("echo", "echo-auto")
+METHODS = ("nospec", "eagle3", "echo", "echo-auto", "echo-tree")
+ECHO_METHODS = ("echo", "echo-auto", "echo-tree")
+CHAIN_METHODS = ("echo", "echo-auto")  # the oracle bound is defined for chains
 
 
 class BenchPlanError(ConfigError):
@@ -55,9 +57,10 @@ def parse_methods(methods: list[str]) -> list[str]:
 
 
 def expand_variants(
-    methods: list[str], eagle3_depths: list[int], echo_depth: int, echo: dict[str, Any]
+    methods: list[str], eagle3_depths: list[int], echo_depth: int, echo: dict[str, Any], tree_top_k: int = 4
 ) -> list[Variant]:
-    """The variants to run. nospec always runs: it is the baseline of every ratio and of the identity check."""
+    """The variants to run. nospec always runs: it is the baseline of every ratio and of the identity check.
+    `echo` is the shared echo block; echo and echo-auto verify chains, echo-tree trees of `tree_top_k`."""
     methods = parse_methods(methods)
     if "eagle3" in methods and (not eagle3_depths or min(eagle3_depths) < 1):
         raise BenchPlanError(f"--eagle3-depths: give depths >= 1; got {eagle3_depths!r}")
@@ -68,9 +71,13 @@ def expand_variants(
         if method == "eagle3":
             variants += [Variant("eagle3", d) for d in dict.fromkeys(eagle3_depths)]
         elif method == "echo":
-            variants.append(Variant("echo", echo_depth, dict(echo)))
+            variants.append(Variant("echo", echo_depth, {**echo, "top_k": 1}))
         elif method == "echo-auto":
-            variants.append(Variant("echo-auto", echo_depth, {**echo, "k_max": "auto"}))
+            variants.append(Variant("echo-auto", echo_depth, {**echo, "k_max": "auto", "top_k": 1}))
+        elif method == "echo-tree":
+            if tree_top_k < 2:
+                raise BenchPlanError(f"--top-k: echo-tree needs top_k >= 2 (1 is echo-auto); got {tree_top_k}")
+            variants.append(Variant("echo-tree", echo_depth, {**echo, "k_max": "auto", "top_k": tree_top_k}))
     return variants
 
 

@@ -42,6 +42,7 @@ ECHO_KEYS = (
     "mat",
     "budget_used",
     "truncation_rate",
+    "tree_moved",
 )
 ECHO_PHASES = ("draft", "select", "rest")
 

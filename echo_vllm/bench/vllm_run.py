@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from echo_vllm.bench.oracle import oracle_for_run
-from echo_vllm.bench.vllm_plan import ECHO_METHODS, Variant, prompts_for_batch, round_orders, warmup_tokens
+from echo_vllm.bench.vllm_plan import (
+    CHAIN_METHODS,
+    ECHO_METHODS,
+    Variant,
+    prompts_for_batch,
+    round_orders,
+    warmup_tokens,
+)
 from echo_vllm.bench.vllm_rows import add_eagle3_best, add_ratios, aggregate, measure, order_rows
 
 Runner = Callable[..., dict[str, Any]]
@@ -155,8 +162,10 @@ def run_bench(
                         log(f"[bench vllm]   FAILED: {errors[variant.label][-1]}")
                         continue
                     figures = measure(variant, out, None)
-                    if variant.method in ECHO_METHODS:
+                    if variant.method in CHAIN_METHODS:
                         pending.append((figures, out, env, job, r, variant))
+                    elif variant.method in ECHO_METHODS:
+                        figures.update({"oracle_ratio": None, "oracle_reason": "the oracle bound covers chains only"})
                     torch_threads = torch_threads or out.get("torch_threads")
                     measured[variant.label].append(figures)
                     tokens[variant.label].append(out["token_ids"])

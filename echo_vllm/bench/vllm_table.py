@@ -49,7 +49,7 @@ def _identical(row: dict[str, Any]) -> str:
 
 
 def _oracle(row: dict[str, Any]) -> str:
-    if row["method"] not in ("echo", "echo-auto"):
+    if row["method"] not in ("echo", "echo-auto", "echo-tree"):
         return ""
     if row.get("oracle_ratio") is None:
         return "-"
@@ -88,7 +88,7 @@ def footnotes(rows: Sequence[dict[str, Any]]) -> list[str]:
         where = f"{row['label']} batch {row['batch_size']}"
         if row.get("calibrated_before_timing") is False:
             notes.append(f"{where}: ECHO was NOT calibrated before the timed generate (warm-up too short)")
-        if row["method"] in ("echo", "echo-auto") and row.get("oracle_ratio") is None:
+        if row["method"] in ("echo", "echo-auto", "echo-tree") and row.get("oracle_ratio") is None:
             notes.append(f"{where}: no oracle bound: {row.get('oracle_reason') or 'unknown'}")
         if row.get("num_preemptions"):
             notes.append(f"{where}: {row['num_preemptions']:.0f} preemption(s): the KV cache did not hold the batch")
@@ -102,7 +102,7 @@ def footnotes(rows: Sequence[dict[str, Any]]) -> list[str]:
 def ratio_summary(rows: Sequence[dict[str, Any]]) -> list[str]:
     """One line per ECHO method: its ratio to no-spec and to the best baseline at each batch size."""
     lines = []
-    for method in ("echo", "echo-auto"):
+    for method in ("echo", "echo-auto", "echo-tree"):
         mine = [r for r in rows if r["method"] == method]
         if not mine:
             continue

@@ -177,7 +177,8 @@ class EchoTreeRejectionSampler(RejectionSampler):
         max_depth = batch.max_depth
         greedy_res = sampled_res = None
         if not sampling_metadata.all_random:
-            target_argmax = logits.to(torch.float32).argmax(dim=-1)
+            # = the argmax of the float32 logits (the cast is exact and monotone), without a float32 copy
+            target_argmax = logits.argmax(dim=-1)
             greedy_res = verify_greedy(tokens, selection, target_argmax, max_depth=max_depth, row_index=row_index)
         if not sampling_metadata.all_greedy:
             # A float32 copy: apply_sampling_constraints edits its input in place.

@@ -224,3 +224,72 @@ def test_empty_selection_emits_one_token():
     probs = torch.nn.functional.one_hot(argmax, 4).float()
     res = verify_sampling(tokens, sel, probs, torch.Generator().manual_seed(0))
     assert res.accepted_tokens.tolist() == [[2]] * 3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Flat rows (row_index) == dense rows
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def flat_layout(dense: torch.Tensor, counts: torch.Tensor, gen: torch.Generator):
+    """Each request's counts[b] + 1 real rows of `dense` [B, N + 1, ...] packed ragged into one flat tensor, with a
+    junk row before every request; row_index points padding entries at a junk row (never read)."""
+    batch = dense.shape[0]
+    pieces, index, offset = [], torch.zeros((batch, dense.shape[1]), dtype=torch.int64), 0
+    for b in range(batch):
+        junk = offset
+        real = int(counts[b]) + 1
+        if dense.dim() == 3:
+            pieces.append(torch.rand((1,) + dense.shape[2:], generator=gen))
+        else:
+            pieces.append(torch.randint(0, 50, (1,), generator=gen))
+        pieces.append(dense[b, :real])
+        index[b] = junk
+        index[b, :real] = torch.arange(offset + 1, offset + 1 + real)
+        offset += 1 + real
+    return torch.cat(pieces, 0), index
+
+
+@settings(deadline=None, max_examples=60, database=None, derandomize=True)
+@given(verify_case())
+def test_flat_rows_match_dense(case):
+    tree, sel, argmax, max_depth = case
+    gen = torch.Generator().manual_seed(7)
+    flat_argmax, index = flat_layout(argmax, sel.counts, gen)
+    dense = verify_greedy(tree.tokens, sel, argmax, max_depth=max_depth)
+    flat = verify_greedy(tree.tokens, sel, flat_argmax, max_depth=max_depth, row_index=index)
+    for name in dense._fields:
+        assert torch.equal(getattr(flat, name), getattr(dense, name)), name
+    vocab = int(tree.tokens.max()) + 3
+    probs = torch.softmax(2 * torch.randn(argmax.shape + (vocab,), generator=gen), -1)
+    flat_probs, index = flat_layout(probs, sel.counts, gen)
+    for index_dtype in (torch.int64, torch.int32):
+        dense = verify_sampling(tree.tokens, sel, probs, torch.Generator().manual_seed(11), max_depth=max_depth)
+        flat = verify_sampling(
+            tree.tokens,
+            sel,
+            flat_probs,
+            torch.Generator().manual_seed(11),
+            max_depth=max_depth,
+            row_index=index.to(index_dtype),
+        )
+        for name in dense._fields:
+            assert torch.equal(getattr(flat, name), getattr(dense, name)), name
+
+
+def test_bad_flat_inputs():
+    tokens = torch.zeros(2, 3, dtype=torch.int64)
+    sel = compact_selection(
+        torch.ones(2, 3, dtype=torch.bool),
+        torch.ones(2, 3, dtype=torch.int32),
+        torch.full((2, 3), -1, dtype=torch.int32),
+    )
+    index = torch.zeros(2, 4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="row_index"):
+        verify_greedy(tokens, sel, torch.zeros(8, dtype=torch.int64), row_index=index[:, :3])
+    with pytest.raises(ValueError, match="target_argmax must be flat"):
+        verify_greedy(tokens, sel, torch.zeros(2, 4, dtype=torch.int64), row_index=index)
+    with pytest.raises(ValueError, match="target_probs must be flat"):
+        verify_sampling(tokens, sel, torch.zeros(2, 4, 5), row_index=index)
+    with pytest.raises(TypeError, match="integer"):
+        verify_sampling(tokens, sel, torch.zeros(8, 5), row_index=index.float())

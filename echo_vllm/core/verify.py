@@ -25,17 +25,43 @@ class VerifyResult(NamedTuple):
     accepted_depth_mask: torch.Tensor  # [B, D] bool, the accepted path reached depth d
 
 
-def _check(tree_tokens: torch.Tensor, selection: BudgetSelection, rows: torch.Tensor, name: str, ndim: int) -> None:
+def _check(
+    tree_tokens: torch.Tensor,
+    selection: BudgetSelection,
+    rows: torch.Tensor,
+    name: str,
+    ndim: int,
+    row_index: torch.Tensor | None = None,
+) -> None:
+    """Shapes only (no syncs). Dense: `rows` is [B, N + 1] (argmax) or [B, N + 1, V] (probs). Flat: `rows` is
+    [R] or [R, V] and `row_index` [B, N + 1] holds each request's row numbers into it."""
     if tree_tokens.dim() != 2:
         raise ValueError(f"tree_tokens must be [B, N]; got {tuple(tree_tokens.shape)}")
     batch, num_nodes = tree_tokens.shape
     if selection.order.shape != (batch, num_nodes) or selection.parent_local.shape != (batch, num_nodes):
         raise ValueError(f"selection must be [B, N] = [{batch}, {num_nodes}]; got {tuple(selection.order.shape)}")
+    if row_index is not None:
+        if row_index.shape != (batch, num_nodes + 1):
+            raise ValueError(f"row_index must be [B, N + 1] = [{batch}, {num_nodes + 1}]; got {tuple(row_index.shape)}")
+        if row_index.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"row_index must be an integer tensor; got {row_index.dtype}")
+        if rows.dim() != ndim - 1:
+            raise ValueError(
+                f"{name} must be flat [R{', V' if ndim == 3 else ''}] with row_index; got {tuple(rows.shape)}"
+            )
+        return
     if rows.dim() != ndim or rows.shape[:2] != (batch, num_nodes + 1):
         raise ValueError(
             f"{name} must be [B, N + 1{', V' if ndim == 3 else ''}] with B={batch}, N={num_nodes}; "
             f"got {tuple(rows.shape)}"
         )
+
+
+def _gather_rows(values: torch.Tensor, index: torch.Tensor, row_index: torch.Tensor | None) -> torch.Tensor:
+    """values at rows `index` [B, K] of each request: dense values [B, N + 1] or flat [R] with row_index."""
+    if row_index is None:
+        return torch.gather(values, 1, index)
+    return values[torch.gather(row_index.long(), 1, index)]
 
 
 def _resolve_depth(selection: BudgetSelection, max_depth: int | None) -> int:
@@ -85,20 +111,24 @@ def verify_greedy(
     selection: BudgetSelection,
     target_argmax: torch.Tensor,
     max_depth: int | None = None,
+    row_index: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Greedy verification. A selected node is correct iff its token == the target argmax at its parent's row;
     it is accepted iff it and all its ancestors are correct. The accepted path ends at the deepest accepted node
     (unique, as siblings have distinct tokens); the bonus token is the target argmax at that node's row (row 0 if
     nothing was accepted). `max_depth` sets the width D of the per-depth outputs (default: deepest selected
-    depth, at the cost of one host sync)."""
-    _check(tree_tokens, selection, target_argmax, "target_argmax", 2)
+    depth, at the cost of one host sync).
+
+    `target_argmax` is dense [B, N + 1], or flat [R] with `row_index` [B, N + 1]: request b's row r is
+    target_argmax[row_index[b, r]] (no padded copy; entries for padding rows are never read, any valid row)."""
+    _check(tree_tokens, selection, target_argmax, "target_argmax", 2, row_index)
     max_depth = _resolve_depth(selection, max_depth)
     target_argmax = target_argmax.to(torch.int64)
     real = selection.order >= 0
     order = selection.order.long().clamp(min=0)
     tokens_in_order = torch.gather(tree_tokens.to(torch.int64), 1, order)
     parent_row = selection.parent_local.long() + 1  # 0 = root row
-    correct = real & (tokens_in_order == torch.gather(target_argmax, 1, parent_row))
+    correct = real & (tokens_in_order == _gather_rows(target_argmax, parent_row, row_index))
     batch = tree_tokens.shape[0]
     root = torch.ones((batch, 1), dtype=torch.bool, device=tree_tokens.device)
     accepted = correct
@@ -108,7 +138,7 @@ def verify_greedy(
     last = torch.cat([torch.full((batch, 1), -1, dtype=torch.int32, device=accepted_local.device), accepted_local], 1)
     accepted_len = (accepted_local >= 0).sum(1, keepdim=True)
     last_pos = torch.gather(last, 1, accepted_len).long()  # -1 if none
-    bonus = torch.gather(target_argmax, 1, last_pos + 1).squeeze(1)
+    bonus = _gather_rows(target_argmax, last_pos + 1, row_index).squeeze(1)
     return _finish(tokens_in_order, accepted_local, bonus)
 
 
@@ -124,6 +154,7 @@ def verify_sampling(
     generator: torch.Generator | None = None,
     max_depth: int | None = None,
     max_children: int | None = None,
+    row_index: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Exact multi-draft recursive rejection sampling for deterministic (top-k) drafts (SpecInfer; SGLang's
     tree_speculative_sampling_target_only with one-hot draft probabilities).
@@ -136,9 +167,12 @@ def verify_sampling(
     back to the node's target row (a measure-zero event in exact arithmetic).
 
     `max_depth` / `max_children` (the most selected children of one node) bound the loops; each defaults to a
-    value read from `selection` (one host sync each).
+    value read from `selection` (one host sync each). `target_probs` is dense [B, N + 1, V], or flat [R, V] with
+    `row_index` [B, N + 1] (request b's row r is target_probs[row_index[b, r]]; padding entries: any valid row).
     """
-    return _verify_sampling_impl(tree_tokens, selection, target_probs, generator, max_depth, max_children, True)
+    return _verify_sampling_impl(
+        tree_tokens, selection, target_probs, generator, max_depth, max_children, True, row_index
+    )
 
 
 def _verify_sampling_impl(
@@ -149,9 +183,10 @@ def _verify_sampling_impl(
     max_depth: int | None,
     max_children: int | None,
     zero_rejected: bool,
+    row_index: torch.Tensor | None = None,
 ) -> VerifyResult:
     """`zero_rejected=False` is a deliberately wrong variant, used only by the tests to show they can fail."""
-    _check(tree_tokens, selection, target_probs, "target_probs", 3)
+    _check(tree_tokens, selection, target_probs, "target_probs", 3, row_index)
     max_depth = _resolve_depth(selection, max_depth)
     batch, num_nodes = tree_tokens.shape
     device = tree_tokens.device
@@ -167,9 +202,10 @@ def _verify_sampling_impl(
     vocab = target_probs.shape[-1]
     uniform = torch.full((batch, vocab), 1.0 / vocab, dtype=torch.float32, device=device)
 
-    def row_at(row_index: torch.Tensor) -> torch.Tensor:
+    def row_at(local: torch.Tensor) -> torch.Tensor:
         """[B, V] normalized float32 target row (rows are read lazily: no [B, N+1, V] copy)."""
-        row = target_probs[rows, row_index].to(torch.float32).clamp(min=0)
+        row = target_probs[rows, local] if row_index is None else target_probs[row_index[rows, local].long()]
+        row = row.to(torch.float32).clamp(min=0)
         return _normalize(row, uniform)
 
     rows = torch.arange(batch, device=device)

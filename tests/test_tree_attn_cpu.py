@@ -13,6 +13,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from echo_vllm.vllm.cpu_isa import apply_emulation, load_vllm_cpu_kernels
+
+# ECHO_VLLM_EMULATE_CPU_ISA=avx2 runs this file on the build (and page layout) an AVX2-only CPU gets.
+apply_emulation()
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.needs_vllm
 
@@ -22,7 +26,6 @@ from vllm.v1.attention.backends import cpu_attn  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 
 from echo_vllm.vllm import tree_attn_cpu, tree_state  # noqa: E402
-from echo_vllm.vllm.cpu_isa import load_vllm_cpu_kernels  # noqa: E402
 from echo_vllm.vllm.tree_attn_cpu import (  # noqa: E402
     EchoTreeCPUAttentionBackend,
     EchoTreeCPUAttentionImpl,

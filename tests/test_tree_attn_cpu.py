@@ -316,3 +316,20 @@ def test_a_tree_batch_refuses_unsupported_layers(kw, reason):
     output = torch.zeros_like(step.query)
     with pytest.raises(ValueError, match=reason):
         impl.forward(step.layer, step.query, step.key, step.value, step.kv_cache, step.meta, output)
+
+
+def test_restoring_keeps_an_earlier_override():
+    from vllm.v1.attention.backends.registry import register_backend
+
+    member = AttentionBackendEnum.CPU_ATTN
+    foreign = "somewhere.else.TheirCPUBackend"
+    register_backend(member, foreign)
+    try:
+        tree_attn_cpu.register_cpu_tree_backend()
+        assert member.get_path() == tree_attn_cpu.BACKEND_PATH
+        tree_attn_cpu.unregister_cpu_tree_backend()
+        assert member.get_path() == foreign
+        tree_attn_cpu.unregister_cpu_tree_backend()  # not ours any more: a no-op
+        assert member.get_path() == foreign
+    finally:
+        member.clear_override()

@@ -24,6 +24,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadata,
     _get_attn_isa,
 )
+from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
 from echo_vllm.vllm import tree_state
 
@@ -259,16 +260,17 @@ def _clear_selector_cache() -> None:
     _cached_get_attn_backend.cache_clear()
 
 
-def register_cpu_tree_backend() -> str:
-    """Make CPU_ATTN resolve to EchoTreeCPUAttentionBackend (vLLM resolves the path lazily); idempotent.
-    Returns the class path."""
-    global _saved_override
-    from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES, AttentionBackendEnum, register_backend
+def _ours(member: AttentionBackendEnum) -> bool:
+    return member.is_overridden() and member.get_path() == BACKEND_PATH
 
+
+def register_cpu_tree_backend() -> str:
+    """Make CPU_ATTN resolve to EchoTreeCPUAttentionBackend (vLLM resolves the path lazily, when layers pick their
+    backend); idempotent. Returns the class path."""
+    global _saved_override
     member = AttentionBackendEnum.CPU_ATTN
-    current = _ATTN_OVERRIDES.get(member)
-    if current != BACKEND_PATH:
-        _saved_override = current
+    if not _ours(member):
+        _saved_override = member.get_path() if member.is_overridden() else None
         register_backend(member, BACKEND_PATH)
     _clear_selector_cache()
     return BACKEND_PATH
@@ -278,10 +280,8 @@ def unregister_cpu_tree_backend() -> None:
     """Undo register_cpu_tree_backend: CPU_ATTN resolves to what it did before (vLLM's own class unless someone
     else had overridden it); a no-op when ours is not registered."""
     global _saved_override
-    from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES, AttentionBackendEnum, register_backend
-
     member = AttentionBackendEnum.CPU_ATTN
-    if _ATTN_OVERRIDES.get(member) != BACKEND_PATH:
+    if not _ours(member):
         return
     previous, _saved_override = _saved_override, _UNSET
     if isinstance(previous, str):

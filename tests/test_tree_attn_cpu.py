@@ -307,6 +307,7 @@ def test_register_and_restore_the_backend():
         (dict(alibi_slopes=[0.5] * HEADS), "ALiBi"),
         (dict(kv_cache_dtype="fp8"), "quantized KV cache"),
         (dict(attn_type="encoder_only"), "attention type"),
+        (dict(sinks=torch.zeros(HEADS)), "sinks"),
     ],
 )
 def test_a_tree_batch_refuses_unsupported_layers(kw, reason):

@@ -46,8 +46,8 @@ def page_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -
     """(kmap, vmap) [block_size, head_size] int64: the offset of K[t, d] and V[t, d] inside one (block, head) page.
 
     Found by letting the kernel's own `cpu_attn_reshape_and_cache` write coded tokens into a scratch page: the
-    layout is the ISA's business (the vec kernels store K transposed, [D, bs], and V as [bs, D]; AMX packs
-    differently), so reading it back by any fixed rule would silently be wrong on some machine."""
+    layout is the ISA's business (the vec and vec16 kernels store K transposed, [D, bs], then V as [bs, D]; the
+    AMX, NEON and other builds may pack otherwise), so any fixed reading rule would be silently wrong somewhere."""
     from vllm import _custom_ops as ops
 
     if not dtype.is_floating_point:
@@ -173,9 +173,11 @@ class EchoTreeCPUAttentionImpl(CPUAttentionBackendImpl):
                 + "; run this model with chain drafts (echo top_k = 1)"
             )
 
-    def echo_compact(self, kv_cache: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    def echo_compact(
+        self, kv_cache: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor, isa: str | None = None
+    ) -> None:
         """`echo_compact` on this layer's cache (the accepted path's KV moves after tree sampling)."""
-        echo_compact(kv_cache, src_slots, dst_slots)
+        echo_compact(kv_cache, src_slots, dst_slots, isa)
 
     def _fix_tree_rows(
         self,
@@ -198,7 +200,7 @@ class EchoTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         pages = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], -1)
         heads, kv_heads, group = self.num_heads, self.num_kv_heads, self.num_queries_per_kv
         out = output.view(output.shape[0], heads, -1)  # callers pass [T, H, Dv] or [T, H * Dv]
-        q_all = query.view(query.shape[0], heads, -1)
+        q_all = query.reshape(query.shape[0], heads, -1)
 
         # Everything below is host-side bookkeeping: on CPU these tensors already live in host memory.
         fix_rows = batch.fix_rows.cpu()

@@ -1,0 +1,293 @@
+"""Tree verification on vLLM's CPU attention backend: the stock kernel, then a masked recompute of the fix-up rows.
+
+vLLM's C++ CPU kernel (`ops.cpu_attention_with_kv_cache`) knows only `causal` and `dynamic_causal`; it takes no
+mask and returns no log-sum-exp, so a tree mask cannot be merged into it. It is exact, though, for every row whose
+ancestors are exactly the rows before it (prefills, roots, chains, and a tree's spine in spine-first order). So
+`EchoTreeCPUAttentionImpl.forward` lets it run over the whole batch and then overwrites only the rows the step's
+`TreeBatch` lists as fix-up rows, with a float32 masked attention over the request's paged KV. That is slow but
+exact, which is what the CPU path is for (tests and the testbed).
+
+On CPU, `CpuPlatform.get_attn_backend_cls` always answers `CPU_ATTN`, so the backend goes in by overriding that
+enum member's class path (`register_cpu_tree_backend`). The subclasses keep the parent's name, builder and
+metadata, so every non-tree step behaves exactly as stock.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from vllm.v1.attention.backend import AttentionLayer, AttentionType
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadata,
+    _get_attn_isa,
+)
+from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+from echo_vllm.vllm import tree_state
+
+BACKEND_PATH = f"{__name__}.EchoTreeCPUAttentionBackend"
+_DIGIT = 16  # probe codes stay small integers, exact in fp16 and bf16
+
+
+def _kv_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key and value cache arguments of vLLM's CPU cache ops, formed exactly as CPUAttentionBackendImpl does.
+    Only the ops know what lies inside them: each (block, head) page of bs * 2D elements is laid out per ISA."""
+    num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+    paired = kv_cache.view(num_blocks, num_kv_heads, block_size * 2, -1)
+    key_cache, value_cache = paired.chunk(2, dim=2)
+    return key_cache, value_cache
+
+
+@functools.cache
+def page_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kmap, vmap) [block_size, head_size] int64: the offset of K[t, d] and V[t, d] inside one (block, head) page.
+
+    Found by letting the kernel's own `cpu_attn_reshape_and_cache` write coded tokens into a scratch page: the
+    layout is the ISA's business (the vec and vec16 kernels store K transposed, [D, bs], then V as [bs, D]; the
+    AMX, NEON and other builds may pack otherwise), so any fixed reading rule would be silently wrong somewhere."""
+    from vllm import _custom_ops as ops
+
+    if not dtype.is_floating_point:
+        raise ValueError(f"page_layout: a {dtype} KV cache is quantized; tree mode does not read those")
+    tok = torch.arange(block_size).view(-1, 1, 1).expand(block_size, 1, head_size)
+    dim = torch.arange(head_size).view(1, 1, -1).expand(block_size, 1, head_size)
+    slots = torch.arange(block_size)
+
+    def write(k_code: torch.Tensor, v_code: torch.Tensor) -> torch.Tensor:
+        page = torch.zeros(1, 1, block_size, 2 * head_size, dtype=dtype)
+        key_cache, value_cache = _kv_views(page)
+        ops.cpu_attn_reshape_and_cache(
+            k_code.to(dtype), v_code.to(dtype), key_cache, value_cache, slots, isa,
+            k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto",
+        )  # fmt: skip
+        return page.view(-1).float().round().long()
+
+    def decode(index: torch.Tensor) -> torch.Tensor:
+        value, scale, rest = torch.zeros(2 * block_size * head_size, dtype=torch.long), 1, index.max().item() + 1
+        while rest > 0:  # one base-16 digit per pass (codes 1..16; 0 marks offsets the op never wrote)
+            code = (index // scale) % _DIGIT + 1
+            value += (write(code, code) - 1) * scale
+            scale, rest = scale * _DIGIT, rest // _DIGIT
+        return value
+
+    kind = write(torch.ones(tok.shape), torch.full(tok.shape, 2.0))  # 1: a K element, 2: a V element
+    at_tok, at_dim = decode(tok), decode(dim)
+    maps = []
+    for code in (1, 2):
+        offsets = (kind == code).nonzero().flatten()
+        table = torch.full((block_size, head_size), -1, dtype=torch.long)
+        table[at_tok[offsets], at_dim[offsets]] = offsets
+        if offsets.numel() != block_size * head_size or (table < 0).any():
+            raise RuntimeError(f"page_layout: the {isa} kernel's cache page is not a permutation of K and V")
+        maps.append(table)
+    return maps[0], maps[1]
+
+
+def _layout_for(kv_cache: torch.Tensor, isa: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    _, _, block_size, paired = kv_cache.shape
+    head_size = paired // 2
+    if isa is None:
+        # The builder's choice for this layer (CPUAttentionMetadataBuilder: model dtype = cache dtype unless fp8).
+        isa = _get_attn_isa(kv_cache.dtype, block_size, head_size, "auto")
+    return page_layout(isa, kv_cache.dtype, block_size, head_size)
+
+
+def _gather(pages: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """[n, Hkv, D] elements of the tokens (blocks[i], offsets[i]) from pages [nb, Hkv, page]."""
+    return pages[blocks.view(-1, 1), :, table[offsets]].permute(0, 2, 1)
+
+
+def echo_compact(
+    kv_cache: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor, isa: str | None = None
+) -> None:
+    """Copy the K and V of slot src[i] to slot dst[i] for every KV head (slot = block * block_size + offset, the
+    slot_mapping convention) in a CPU_ATTN layer cache [nb, Hkv, bs, 2D]. All sources are read before any
+    destination is written, so overlapping moves are exact whatever their order. isa: the layer's kernel ISA
+    (`layer.isa`); None derives it as vLLM's builder does."""
+    if src_slots.shape != dst_slots.shape:
+        raise ValueError(f"echo_compact: {tuple(src_slots.shape)} sources but {tuple(dst_slots.shape)} destinations")
+    if src_slots.numel() == 0:
+        return
+    kmap, vmap = _layout_for(kv_cache, isa)
+    block_size = kv_cache.shape[2]
+    pages = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], -1)
+    src = src_slots.to(device=kv_cache.device, dtype=torch.long)
+    dst = dst_slots.to(device=kv_cache.device, dtype=torch.long)
+    src_block, src_off = src // block_size, src % block_size
+    dst_block, dst_off = (dst // block_size).view(-1, 1), dst % block_size
+    # Advanced indexing copies, so both gathers are complete before the scatters.
+    keys = pages[src_block.view(-1, 1), :, kmap[src_off]]
+    values = pages[src_block.view(-1, 1), :, vmap[src_off]]
+    pages[dst_block, :, kmap[dst_off]] = keys
+    pages[dst_block, :, vmap[dst_off]] = values
+
+
+class EchoTreeCPUAttentionImpl(CPUAttentionBackendImpl):
+    """CPU attention that honours the step's tree mask on the rows the causal kernel gets wrong."""
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: CPUAttentionMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        batch = tree_state.current()
+        tree = batch is not None and attn_metadata is not None and batch.num_fix_rows > 0
+        if tree:
+            # Before the kernel runs: a refused layer must fail with its reason, not with whatever the kernel does.
+            self._check_tree_supported()
+        output = super().forward(
+            layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+        )
+        if tree and kv_cache.numel() > 0:  # a cacheless call (profiling) has nothing to recompute from
+            assert batch is not None and attn_metadata is not None
+            self._fix_tree_rows(layer, batch, query, kv_cache, attn_metadata, output)
+        return output
+
+    def _check_tree_supported(self) -> None:
+        """Refuse, loudly, the layers the masked recompute below does not model."""
+        reasons = []
+        if self.attn_type != AttentionType.DECODER:
+            reasons.append(f"attention type {self.attn_type!r} (only decoder self-attention verifies trees)")
+        if self.alibi_slopes is not None:
+            reasons.append("ALiBi slopes")
+        if self.sliding_window != -1:
+            reasons.append(f"a sliding window ({self.sliding_window})")
+        if self.sinks is not None:
+            reasons.append("attention sinks")
+        if self.is_fp8_kv_cache:
+            reasons.append(f"a quantized KV cache ({self.kv_cache_dtype})")
+        if reasons:
+            raise ValueError(
+                "ECHO tree verification on CPU_ATTN does not support a layer with "
+                + ", ".join(reasons)
+                + "; run this model with chain drafts (echo top_k = 1)"
+            )
+
+    def echo_compact(
+        self, kv_cache: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor, isa: str | None = None
+    ) -> None:
+        """`echo_compact` on this layer's cache (the accepted path's KV moves after tree sampling)."""
+        echo_compact(kv_cache, src_slots, dst_slots, isa)
+
+    def _fix_tree_rows(
+        self,
+        layer: AttentionLayer,
+        batch: tree_state.TreeBatch,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: CPUAttentionMetadata,
+        output: torch.Tensor,
+    ) -> None:
+        num_reqs = meta.query_start_loc.shape[0] - 1
+        if batch.num_reqs > num_reqs:
+            raise RuntimeError(
+                f"tree batch of {batch.num_reqs} requests meets attention metadata of {num_reqs}: "
+                "the tree batch was not cleared after its target forward"
+            )
+        isa = getattr(layer, "isa", None)
+        kmap, vmap = _layout_for(kv_cache, isa)
+        block_size = kv_cache.shape[2]
+        pages = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], -1)
+        heads, kv_heads, group = self.num_heads, self.num_kv_heads, self.num_queries_per_kv
+        out = output.view(output.shape[0], heads, -1)  # callers pass [T, H, Dv] or [T, H * Dv]
+        q_all = query.reshape(query.shape[0], heads, -1)
+
+        # Everything below is host-side bookkeeping: on CPU these tensors already live in host memory.
+        fix_rows = batch.fix_rows.cpu()
+        fix_req = batch.fix_req.cpu()
+        fix_bits = batch.fix_bits.cpu()
+        context = batch.context_len.cpu()
+        num_draft = batch.num_draft.cpu()
+        seq_lens = meta.seq_lens.cpu()
+        reqs, counts = torch.unique_consecutive(fix_req, return_counts=True)
+        start = 0
+        for req_t, count_t in zip(reqs, counts):
+            req, count = int(req_t), int(count_t)
+            rows = fix_rows[start : start + count]
+            bits = fix_bits[start : start + count]
+            start += count
+            ctx = int(context[req])
+            kv_len = ctx + 1 + int(num_draft[req])
+            if kv_len != int(seq_lens[req]):
+                raise RuntimeError(
+                    f"tree request row {req}: context {ctx} + root + {int(num_draft[req])} drafts != the "
+                    f"scheduled sequence length {int(seq_lens[req])}"
+                )
+            pos = torch.arange(kv_len)
+            blocks = meta.block_table[req, pos // block_size].long()
+            offsets = pos % block_size
+            keys = _gather(pages, blocks, offsets, kmap).float()  # [L, Hkv, D]
+            values = _gather(pages, blocks, offsets, vmap).float()  # [L, Hkv, Dv]
+
+            # Visible: the context and the root (logical 0..ctx), and the drafts whose bit the row carries.
+            draft = (pos - ctx - 1).clamp(min=0)
+            visible = (pos <= ctx).unsqueeze(0) | (((bits.unsqueeze(1) >> draft.unsqueeze(0)) & 1) == 1)
+
+            q = q_all[rows.to(q_all.device)].float().view(count, kv_heads, group, -1)
+            logits = torch.einsum("fhgd,lhd->fhgl", q, keys) * self.scale
+            if self.logits_soft_cap:
+                logits = self.logits_soft_cap * torch.tanh(logits / self.logits_soft_cap)
+            logits = logits.masked_fill(~visible.view(count, 1, 1, kv_len), float("-inf"))
+            probs = torch.softmax(logits, dim=-1)
+            attn = torch.einsum("fhgl,lhd->fhgd", probs, values).reshape(count, heads, -1)
+            out[rows.to(out.device)] = attn.to(out.dtype)
+
+
+class EchoTreeCPUAttentionBackend(CPUAttentionBackend):
+    """CPU_ATTN with tree fix-up rows; name, builder, metadata and cache layout are the parent's."""
+
+    @staticmethod
+    def get_impl_cls() -> type[CPUAttentionBackendImpl]:
+        return EchoTreeCPUAttentionImpl
+
+
+_UNSET = object()
+_saved_override: object = _UNSET  # CPU_ATTN's override before ours (None: it had none)
+
+
+def _clear_selector_cache() -> None:
+    # get_attn_backend memoises the resolved class; without this, layers built later keep the stock backend.
+    from vllm.v1.attention.selector import _cached_get_attn_backend
+
+    _cached_get_attn_backend.cache_clear()
+
+
+def _ours(member: AttentionBackendEnum) -> bool:
+    return member.is_overridden() and member.get_path() == BACKEND_PATH
+
+
+def register_cpu_tree_backend() -> str:
+    """Make CPU_ATTN resolve to EchoTreeCPUAttentionBackend (vLLM resolves the path lazily, when layers pick their
+    backend); idempotent. Returns the class path."""
+    global _saved_override
+    member = AttentionBackendEnum.CPU_ATTN
+    if not _ours(member):
+        _saved_override = member.get_path() if member.is_overridden() else None
+        register_backend(member, BACKEND_PATH)
+    _clear_selector_cache()
+    return BACKEND_PATH
+
+
+def unregister_cpu_tree_backend() -> None:
+    """Undo register_cpu_tree_backend: CPU_ATTN resolves to what it did before (vLLM's own class unless someone
+    else had overridden it); a no-op when ours is not registered."""
+    global _saved_override
+    member = AttentionBackendEnum.CPU_ATTN
+    if not _ours(member):
+        return
+    previous, _saved_override = _saved_override, _UNSET
+    if isinstance(previous, str):
+        register_backend(member, previous)
+    else:
+        member.clear_override()
+    _clear_selector_cache()

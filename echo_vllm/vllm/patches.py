@@ -441,7 +441,7 @@ def _compact_tree_step(runner: Any, batch: Any, num_tokens: int) -> None:
                 if not isinstance(kv, torch.Tensor) or kv.data_ptr() in seen:
                     continue
                 seen.add(kv.data_ptr())
-                echo_compact(kv, src_slots, dst_slots)
+                echo_compact(kv, src_slots, dst_slots, getattr(layer, "isa", None))
     if moved:
         head_rows[dst] = src
     runner.drafter.tree_head_rows = head_rows

@@ -57,12 +57,30 @@ def test_every_override_is_in_the_table_with_its_parameters():
     overridden = {
         name for name, value in vars(EchoProposer).items() if callable(value) and hasattr(EagleProposer, name)
     }
-    rows = {h.attr.split(".", 1)[1]: h for h in hooks.HOOKS if h.kind == "override"}
+    rows = {
+        h.attr.split(".", 1)[1]: h
+        for h in hooks.HOOKS
+        if h.kind == "override" and h.module == "vllm.v1.spec_decode.eagle"
+    }
     assert set(rows) == overridden
     for name, row in rows.items():
         assert hooks.parameter_names(getattr(EagleProposer, name)) == row.params
         # vLLM calls the override as it would call the base: every expected parameter must bind.
         inspect.signature(getattr(EchoProposer, name)).bind(*row.params)
+
+
+def test_tree_overrides_bind_the_parameters_vllm_passes():
+    pytest.importorskip("vllm")
+    from echo_vllm.vllm.tree_attn_cpu import EchoTreeCPUAttentionImpl
+    from echo_vllm.vllm.tree_sampler import EchoTreeRejectionSampler
+
+    ours = {"CPUAttentionBackendImpl": EchoTreeCPUAttentionImpl, "RejectionSampler": EchoTreeRejectionSampler}
+    rows = [h for h in hooks.HOOKS if h.kind == "override" and h.module != "vllm.v1.spec_decode.eagle"]
+    assert {h.attr.split(".")[0] for h in rows} == set(ours)
+    for row in rows:
+        owner, method = row.attr.split(".")
+        assert hooks.parameter_names(hooks.resolve(row)) == row.params
+        inspect.signature(getattr(ours[owner], method)).bind(*row.params)
 
 
 def test_patch_wrappers_accept_the_expected_parameters():
@@ -120,9 +138,17 @@ def test_signature_drift_is_detected_and_nothing_is_patched(monkeypatch):
 
 
 def test_a_missing_instance_attribute_fails_loudly():
-    batch = types.SimpleNamespace(req_ids=["a"], num_reqs=1)
-    runner = types.SimpleNamespace(
-        drafter=object(), input_batch=batch, discard_request_mask=types.SimpleNamespace(gpu=None)
+    ns = types.SimpleNamespace
+    batch = ns(req_ids=["a"], num_reqs=1, num_computed_tokens_cpu=None, block_table=None)
+    runner = ns(
+        drafter=object(),
+        input_batch=batch,
+        discard_request_mask=ns(gpu=None),
+        positions=None,
+        query_start_loc=ns(np=None),
+        compilation_config=ns(static_forward_context={}),
+        rejection_sampler=None,
+        sampler=None,
     )
     instance_attrs.require(runner, instance_attrs.RUNNER)
     del runner.discard_request_mask

@@ -140,6 +140,65 @@ V1_HOOKS: tuple[Hook, ...] = (
         "chain rejection sampling over ragged per-request drafts (lossless)",
     ),
     Hook("vllm.config.vllm", "VllmConfig.additional_config", "relied", "carries the ECHO settings to every worker"),
+    # --- trees (echo.top_k > 1): tree_attn_cpu, tree_sampler ------------------------------------------------------
+    Hook(
+        "vllm.v1.attention.backends.registry",
+        "register_backend",
+        "call",
+        "register_cpu_tree_backend puts EchoTreeCPUAttentionBackend in place of CPU_ATTN",
+        params=("backend", "class_path", "is_mamba"),
+    ),
+    Hook(
+        "vllm.v1.attention.selector",
+        "_cached_get_attn_backend",
+        "call",
+        "its cache is cleared after the backend override, so the next lookup returns the tree backend",
+    ),
+    Hook("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackend", "base", "EchoTreeCPUAttentionBackend's base"),
+    Hook(
+        "vllm.v1.attention.backends.cpu_attn",
+        "CPUAttentionBackendImpl.forward",
+        "override",
+        "EchoTreeCPUAttentionImpl.forward runs it, then recomputes the tree rows under the ancestor mask",
+        params=(
+            "self",
+            "layer",
+            "query",
+            "key",
+            "value",
+            "kv_cache",
+            "attn_metadata",
+            "output",
+            "output_scale",
+            "output_block_scale",
+        ),
+    ),
+    Hook(
+        "vllm.v1.attention.backends.cpu_attn",
+        "_get_attn_isa",
+        "call",
+        "echo_compact derives a layer's kernel ISA as vLLM's builder does (its page layout depends on it)",
+    ),
+    Hook(
+        "vllm.v1.sample.rejection_sampler",
+        "RejectionSampler.forward",
+        "override",
+        "EchoTreeRejectionSampler.forward verifies tree steps and delegates every other step to it",
+        params=("self", "metadata", "draft_probs", "logits", "sampling_metadata"),
+    ),
+    Hook(
+        "vllm.v1.sample.rejection_sampler",
+        "apply_sampling_constraints",
+        "call",
+        "temperature / top-k / top-p on every row of a tree step, as vLLM applies them to chain rows",
+    ),
+    Hook(
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner._calc_spec_decode_metadata",
+        "relied",
+        "logits rows per request: root row, then one row per scheduled draft, in draft order (the tree's rows)",
+        params=("self", "num_draft_tokens", "cu_num_scheduled_tokens"),
+    ),
 )
 
 # Release -> its table. 0.33.0 changed nothing ECHO touches (its sdist is checked against this table), so both

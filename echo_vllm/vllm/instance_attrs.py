@@ -61,6 +61,30 @@ INSTANCE_ATTRS: tuple[InstanceAttr, ...] = (
         "EchoProposer._chain_tree",
         "requests whose drafts vLLM drops (partial prefills) get no budget",
     ),
+    InstanceAttr(
+        RUNNER,
+        "positions",
+        "EchoTreeInputsPatch, EchoTreeKVCompactionPatch",
+        "tree positions (context + depth) for the target forward, linear ones back for the drafter",
+    ),
+    InstanceAttr(RUNNER, "query_start_loc.np", "EchoTreeInputsPatch", "each request's first row in the step"),
+    InstanceAttr(
+        RUNNER,
+        "input_batch.num_computed_tokens_cpu",
+        "EchoTreeInputsPatch",
+        "each request's context length (the root's position)",
+    ),
+    InstanceAttr(
+        RUNNER, "input_batch.block_table", "EchoTreeKVCompactionPatch", "the step's slot mapping per KV cache group"
+    ),
+    InstanceAttr(
+        RUNNER,
+        "compilation_config.static_forward_context",
+        "EchoTreeKVCompactionPatch",
+        "every attention layer's KV cache (the accepted path's KV is moved in each)",
+    ),
+    InstanceAttr(RUNNER, "rejection_sampler", "EchoDrafterPatch", "replaced by EchoTreeRejectionSampler in tree mode"),
+    InstanceAttr(RUNNER, "sampler", "EchoDrafterPatch", "the tree sampler wraps the runner's own sampler"),
 )
 # Not checked at construction: EagleProposer.model (EchoProposer._sample_draft_tokens) is assigned by
 # load_model() after the runner is built, and vLLM's own draft loop reads it first.

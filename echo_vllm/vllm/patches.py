@@ -362,10 +362,25 @@ class EchoTreeInputsPatch(EchoPatch):
             result = original(self, scheduler_output, num_scheduled_tokens)
             plans = getattr(getattr(self, "drafter", None), "tree_plans", None)
             if plans and scheduler_output.scheduled_spec_decode_tokens:
-                _publish_tree_batch(self, scheduler_output.scheduled_spec_decode_tokens, plans)
+                reason = _tree_step_refused(self, scheduler_output)
+                if reason is None:
+                    _publish_tree_batch(self, scheduler_output.scheduled_spec_decode_tokens, plans)
+                else:
+                    # A request joined with settings trees cannot honour after the trees were drafted: the flat
+                    # draft lists verify as plain chains (any token list does, exactly); only width is wasted.
+                    self.drafter.note_chain_fallback(reason)
             return result
 
         return _prepare_inputs
+
+
+def _tree_step_refused(runner: Any, scheduler_output: Any) -> str | None:
+    """Why this step's drafts cannot be verified as trees (None: they can)."""
+    from echo_vllm.vllm.tree_sampler import tree_ineligible_reason
+
+    if getattr(scheduler_output, "has_structured_output_requests", False):
+        return "structured output (the grammar masks logits by chain position)"
+    return tree_ineligible_reason(runner.input_batch.sampling_metadata)
 
 
 def _publish_tree_batch(runner: Any, scheduled_spec: dict[str, list[int]], plans: dict[str, Any]) -> None:

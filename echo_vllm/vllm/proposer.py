@@ -126,6 +126,7 @@ class EchoProposer(EagleProposer):
         self.tree_head_rows: torch.Tensor | None = None  # set by the KV compaction: head inputs in path order
         self._tree_step = False  # this step drafts trees (tree mode and the batch's sampling allows it)
         self._tree_fallback_logged = False
+        self.tree_chain_fallbacks = 0  # steps that verified or drafted chains because of the batch's settings
         self._echo_topk: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._adversary = adversary_from_env() if self.tree_mode else None
         self.tree_leaf_accepts = 0  # accepted nodes that had to be moved (non-spine paths), for logs and tests
@@ -371,12 +372,29 @@ class EchoProposer(EagleProposer):
         from echo_vllm.vllm.tree_sampler import tree_ineligible_reason
 
         reason = tree_ineligible_reason(sampling_metadata) if sampling_metadata is not None else None
-        if reason is not None and not self._tree_fallback_logged:
-            self._tree_fallback_logged = True
-            logger.info(
-                "ECHO: drafting chains in steps whose batch has %s (tree verification cannot honour it)", reason
-            )
+        if reason is None and self._batch_has_structured_output():
+            reason = "structured output (the grammar masks logits by chain position)"
+        if reason is not None:
+            self.note_chain_fallback(reason)
         return reason is None
+
+    def _batch_has_structured_output(self) -> bool:
+        runner = self._runner
+        if runner is None:
+            return False
+        requests = getattr(runner, "requests", {})
+        for rid in runner.input_batch.req_ids[: runner.input_batch.num_reqs]:
+            params = getattr(requests.get(rid), "sampling_params", None)
+            if getattr(params, "structured_outputs", None) is not None:
+                return True
+        return False
+
+    def note_chain_fallback(self, reason: str) -> None:
+        """A step verified (or drafted) as chains because the batch has `reason`; logged once, counted."""
+        self.tree_chain_fallbacks += 1
+        if not self._tree_fallback_logged:
+            self._tree_fallback_logged = True
+            logger.info("ECHO: chains instead of trees in steps whose batch has %s (trees cannot honour it)", reason)
 
     def _before_drafting(self, batch: int) -> None:
         """This step's draft plan (for 'auto' also the refit points: the same step on every TP rank)."""
@@ -710,6 +728,7 @@ class EchoProposer(EagleProposer):
             "ms_per_step": ms,
             "trees": self.tree_mode,
             "tree_moved": self.tree_leaf_accepts,  # accepted nodes off the spine (their KV moved)
+            "tree_chain_fallbacks": self.tree_chain_fallbacks,
             "calibration": self.calibration_source,
             "sweet_spots": self.calibration.sweet_spots if self.calibration is not None else [],
             **self.faults.summary(),

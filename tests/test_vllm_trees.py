@@ -132,3 +132,18 @@ def test_scheduler_truncates_trees_to_ancestor_closed_prefixes(prompts, tmp_path
     assert sum(s["moved"] for s in steps) > 0
     # The drafts offered exceed what a 40-token step can hold, so the scheduler must have cut some.
     assert any(s["sum"] + s["batch"] > 40 for s in steps), "the scheduler never had to truncate"
+
+
+def test_settings_trees_cannot_honour_fall_back_to_chains(prompts, tmp_path):
+    """A presence penalty is applied per draft position with chain context: those steps draft and verify chains
+    (still lossless), and the fallback is counted."""
+    root = shipped_testbed()
+    job = {"model": str(root / "target"), "prompts": prompts[:8], "max_tokens": MAX_TOKENS, "max_num_seqs": 4}
+    plain = run_in_subprocess({**job, "presence_penalty": 0.5})
+    echo = {"k_max": 64, "top_k": 4, "warmup_steps": 4, "min_samples_per_class": 2}
+    result, steps = _echo(prompts[:8], tmp_path, 4, echo, presence_penalty=0.5)
+    assert not _mismatches(plain["token_ids"], result["token_ids"])
+    assert result["spec"]["num_drafts"] > 0
+    stats = result["echo_stats"]
+    assert stats["tree_chain_fallbacks"] > 0 and stats["tree_moved"] == 0
+    assert not any(s["tree_step"] for s in steps)

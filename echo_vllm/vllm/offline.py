@@ -133,6 +133,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         # the engine's seeded generator (distribution tests draw many samples of one prompt).
         seed=job.get("sampling_seed", job.get("seed", 0)) if job.get("temperature", 0.0) > 0 else None,
         ignore_eos=job.get("ignore_eos", False),
+        presence_penalty=job.get("presence_penalty", 0.0),
     )
     # "echo_stats": true asks an echo job for the proposer's statistics (an rpc into the worker, so opt-in).
     echo_stats_wanted = bool(job.get("echo_stats")) and (job.get("speculative_config") or {}).get("method") == "echo"

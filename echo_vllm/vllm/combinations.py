@@ -121,8 +121,8 @@ RULES: tuple[Rule, ...] = (
         "any value",
         _is_set,
         "refuse",
-        "vLLM has no tree verification (removed upstream), so ECHO verifies chains; echo.top_k > 1 is accepted and "
-        "drafts chains",
+        "vLLM's static token tree is not ECHO's: ECHO grows per-request trees itself (echo.top_k > 1) and verifies "
+        "them with its own tree backend and sampler",
     ),
     Rule(
         "draft_tensor_parallel_size",

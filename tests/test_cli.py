@@ -120,7 +120,7 @@ def test_bench_hf_smoke_writes_the_documented_json(tmp_path):
         "--testbed",
         str(shipped_testbed()),
         "--methods",
-        "ar,eagle2,echo",
+        "ar,eagle2,ddd,echo",
         "--dataset",
         "humaneval,mtbench",
         "--limit",
@@ -135,7 +135,7 @@ def test_bench_hf_smoke_writes_the_documented_json(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads(out.read_text())["results"]
     assert {(r["method"], r["dataset"]) for r in results} == {
-        (m, d) for m in ("ar", "eagle2", "echo") for d in ("humaneval", "mtbench")
+        (m, d) for m in ("ar", "eagle2", "ddd", "echo") for d in ("humaneval", "mtbench")
     }
     keys = {
         "method",
@@ -143,6 +143,9 @@ def test_bench_hf_smoke_writes_the_documented_json(tmp_path):
         "batch_size",
         "mat",
         "draft_utilization",
+        "u_selected_depth",
+        "u_drafted_depth",
+        "mean_drafted_depth",
         "tokens_per_s",
         "speedup_vs_ar",
         "accepted_per_verified_draft",
@@ -160,6 +163,15 @@ def test_bench_hf_unknown_method_is_one_line_error():
     proc = run_cli("bench", "hf", "--testbed", str(shipped_testbed()), "--methods", "ar,medusa", "--limit", "1")
     assert proc.returncode == 2
     assert "medusa" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_hf_bad_ddd_setting_is_one_line_error():
+    from testbed_fixture import shipped_testbed
+
+    root = str(shipped_testbed())
+    proc = run_cli("bench", "hf", "--testbed", root, "--methods", "ar,ddd", "--limit", "1", "--ddd-threshold", "1")
+    assert proc.returncode == 2
+    assert "ddd.threshold" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_testbed_ensure_installs_replaces_stale_prebuilt_and_keeps_user_builds(tmp_path):

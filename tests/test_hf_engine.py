@@ -17,6 +17,7 @@ from echo_vllm.bench.datasets import humaneval_prompts, mtbench_prompts
 from echo_vllm.bench.hf import encode_prompts, load_tokenizer
 from echo_vllm.config import EchoConfigError, EchoSettings, parse_echo_settings
 from echo_vllm.core import Calibration
+from echo_vllm.core.eagle2 import DDDSettings
 from echo_vllm.hf.engine import EngineInputError, EngineOptions, HFEngine
 from echo_vllm.models.eagle3 import Eagle3Head
 
@@ -64,7 +65,7 @@ def assert_identical(engine: HFEngine, prompts, reference, label: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["chain", "eagle2", "siblings", "dense", "fixed", "echo"])
+@pytest.mark.parametrize("method", ["chain", "eagle2", "ddd", "siblings", "dense", "fixed", "echo"])
 def test_every_method_greedy_identical_to_ar(root, prompts, reference, method):
     assert len(prompts) >= 50
     settings = EchoSettings(k_max=16, top_k=4, warmup_steps=12, min_samples_per_class=2)
@@ -106,6 +107,30 @@ def test_echo_identical_with_paper_strict_width(root, prompts, reference, tmp_pa
         assert 0.0 < summary["truncation_rate"] < 1.0, "the gate must close on some steps and stay open on others"
         used[surplus] = summary["budget_used"]
     assert used["all"] > used["truncated"], used
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("method", "top_k", "k_max", "ddd"),
+    [
+        ("eagle2", 3, 10, None),  # K_max binds: the pool is reranked hard
+        ("eagle2", 4, 40, None),  # a wide rerank over the k + (D - 1) k^2 pool
+        ("ddd", 4, 20, DDDSettings(threshold=-3.0, max_depth=8, check_depths=(2, 4, 6))),  # stops on some steps
+    ],
+)
+def test_full_pool_methods_greedy_identical(root, prompts, reference, method, top_k, k_max, ddd):
+    """eagle2 (EAGLE-2's full pool) and ddd (its early stop) are lossless; ddd really stops early on some steps."""
+    settings = EchoSettings(k_max=k_max, top_k=top_k)
+    options = EngineOptions(method=method, max_depth=5, echo=settings, ddd=ddd or DDDSettings())
+    engine = HFEngine(root / "target", root / "eagle3", options)
+    assert_identical(engine, prompts[:6], reference[:6], f"{method} k={top_k} K_max={k_max}")
+    stats = engine.depth_summary()
+    if method == "ddd":
+        assert engine.max_depth == 8
+        assert 2 <= stats["mean_drafted_depth"] < 8, "the DDD rule never (or always) stopped: the test proves nothing"
+    else:
+        assert stats["mean_drafted_depth"] == 5
+    assert stats["u_drafted_depth"] <= stats["u_selected_depth"]
 
 
 def test_k_max_zero_is_plain_decoding(root, prompts, reference):
@@ -152,6 +177,20 @@ def test_unknown_method_and_bad_depth(root):
         HFEngine(root / "target", root / "eagle3", EngineOptions(method="medusa"))
     with pytest.raises(EngineInputError, match="max_depth"):
         HFEngine(root / "target", root / "eagle3", EngineOptions(method="echo", max_depth=0))
+
+
+@pytest.mark.parametrize(
+    ("ddd", "field"),
+    [
+        (DDDSettings(threshold=0.5), "ddd.threshold"),
+        (DDDSettings(max_depth=0), "ddd.max_depth"),
+        (DDDSettings(max_depth=4, check_depths=(4,)), "ddd.check_depths"),
+    ],
+)
+def test_bad_ddd_settings_name_the_field(root, ddd, field):
+    with pytest.raises(EngineInputError, match=field.replace(".", r"\.")) as err:
+        HFEngine(root / "target", root / "eagle3", EngineOptions(method="ddd", echo=EchoSettings(k_max=16), ddd=ddd))
+    assert "\n" not in str(err.value)
 
 
 def test_missing_head_is_clear_error(root, tmp_path):
@@ -205,9 +244,10 @@ def test_k_max_auto_is_the_default_and_an_integer_stays_a_cap():
         parse_echo_settings({"k_max": "fast"})
 
 
-def test_eagle2_needs_an_integer_budget(root):
-    with pytest.raises(EngineInputError, match="eagle2.*integer k_max"):
-        HFEngine(root / "target", root / "eagle3", EngineOptions(method="eagle2", echo=EchoSettings()))
+@pytest.mark.parametrize("method", ["eagle2", "ddd"])
+def test_eagle2_needs_an_integer_budget(root, method):
+    with pytest.raises(EngineInputError, match=f"{method}.*integer k_max"):
+        HFEngine(root / "target", root / "eagle3", EngineOptions(method=method, echo=EchoSettings()))
 
 
 @pytest.mark.slow

@@ -10,9 +10,17 @@ from echo_vllm.bench.report import print_table
 from echo_vllm.bench.vllm_cli import _csv, resolve_testbed
 
 
+def _int_tuple(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in _csv(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, e.g. 4,6,8; got {text!r}") from None
+
+
 def bench_hf_command(args: argparse.Namespace) -> int:
     from echo_vllm.bench.hf import bench_hf
     from echo_vllm.config import parse_echo_settings
+    from echo_vllm.core.eagle2 import DDDSettings
 
     root = resolve_testbed(args.testbed)
     settings = parse_echo_settings(
@@ -34,6 +42,7 @@ def bench_hf_command(args: argparse.Namespace) -> int:
         args.depth,
         json_path=args.json,
         gated_depth=args.echo_depth,
+        ddd=DDDSettings(threshold=args.ddd_threshold, max_depth=args.ddd_max_depth, check_depths=args.ddd_check_depths),
     )
     print_table(
         results,
@@ -41,7 +50,8 @@ def bench_hf_command(args: argparse.Namespace) -> int:
             "method",
             "dataset",
             "mat",
-            "draft_utilization",
+            "u_selected_depth",
+            "u_drafted_depth",
             "tokens_per_s",
             "speedup_vs_ar",
             "accepted_per_verified_draft",
@@ -78,7 +88,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     vllm_cli.add_parsers(bsub, sub)  # `bench vllm` and `demo`
 
-    bhf = bsub.add_parser("hf", help="HF engine (B = 1): ar, chain, eagle2, dense, fixed, echo")
+    bhf = bsub.add_parser("hf", help="HF engine (B = 1): ar, chain, eagle2, ddd, siblings, dense, fixed, echo")
     bhf.add_argument("--methods", default="ar,chain,eagle2,dense,fixed,echo")
     bhf.add_argument("--testbed")
     bhf.add_argument("--dataset", default="humaneval,mtbench", help="comma list of humaneval, mtbench")
@@ -102,6 +112,19 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     bhf.add_argument("--top-k", type=int, default=4)
     bhf.add_argument("--warmup-steps", type=int, default=32)
     bhf.add_argument("--delta", type=float, default=0.6)
+    bhf.add_argument(
+        "--ddd-threshold",
+        type=float,
+        default=-4.0,
+        help="ddd: stop deepening when log(summed path probability of the frontier) < this at a checked depth",
+    )
+    bhf.add_argument("--ddd-max-depth", type=int, default=10, help="ddd: the deepest depth drafted")
+    bhf.add_argument(
+        "--ddd-check-depths",
+        type=_int_tuple,
+        default=(4, 6, 8),
+        help="ddd: comma list of the depths at which the rule is checked (1..ddd max depth - 1)",
+    )
     bhf.add_argument("--json", help="write results here")
     bhf.set_defaults(func=bench_hf_command)
 

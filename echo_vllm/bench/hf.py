@@ -5,12 +5,14 @@ Also the prompt encoding the HF engine's tests share (the testbed's tokenizer.js
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
 from echo_vllm.bench import report
 from echo_vllm.config import EchoSettings
+from echo_vllm.core.eagle2 import DDDSettings
 from echo_vllm.hf.engine import GATED, METHODS, EngineInputError, EngineOptions, HFEngine
 
 
@@ -34,6 +36,7 @@ def run_methods_interleaved(
     max_new_tokens: int,
     temperature: float,
     progress=None,
+    ddd: DDDSettings | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Every method on every prompt, prompt by prompt (ar, m1, m2, ... on prompt 1, then prompt 2, ...).
 
@@ -46,7 +49,7 @@ def run_methods_interleaved(
         built[m] = HFEngine(
             root / "target",
             root / "eagle3" if m != "ar" else None,
-            EngineOptions(method=m, max_depth=depths[m], echo=settings),
+            EngineOptions(method=m, max_depth=depths[m], echo=settings, ddd=ddd or DDDSettings()),
             share_models_with=first_spec,
         )
         first_spec = first_spec or (built[m] if m != "ar" else None)
@@ -67,7 +70,8 @@ def run_methods_interleaved(
                 "metrics": engine.metrics.summary() if method != "ar" else {},
                 "ms_per_step": engine.phases.ms_per_step(),
                 "calibration": engine.calibration.to_json_dict() if engine.calibration else None,
-                "max_depth": depths[method],
+                "max_depth": engine.max_depth,
+                "depths": engine.depth_summary() if method != "ar" else {},
             }
         )
     return runs
@@ -84,7 +88,10 @@ def bench_hf(
     temperature: float = 0.0,
     json_path: str | None = None,
     gated_depth: int | None = None,
+    ddd: DDDSettings | None = None,
 ) -> list[dict[str, Any]]:
+    """`max_depth` is every drafting method's depth but the gated ones' (`gated_depth`, default max_depth) and
+    ddd's (`ddd.max_depth`, set by the engine)."""
     from echo_vllm.bench.datasets import load_prompts
 
     unknown = [m for m in methods if m not in METHODS]
@@ -101,7 +108,9 @@ def bench_hf(
         order = ["ar", *[m for m in methods if m != "ar"]]
         depths = {m: gated_depth if (gated_depth and m in GATED) else max_depth for m in order}
         progress = tqdm(total=len(prompts), desc=f"{dataset} ({', '.join(order)})", leave=False) if tqdm else None
-        runs = run_methods_interleaved(root, order, settings, depths, prompts, max_new_tokens, temperature, progress)
+        runs = run_methods_interleaved(
+            root, order, settings, depths, prompts, max_new_tokens, temperature, progress, ddd=ddd
+        )
         if progress is not None:
             progress.close()
         ar = runs["ar"]
@@ -117,8 +126,13 @@ def bench_hf(
                     "batch_size": 1,
                     "max_depth": run["max_depth"] if method != "ar" else None,
                     "mat": m.get("mat", 1.0),
-                    "draft_utilization": m.get("utilization"),
-                    "mean_depth_drafted": m.get("mean_depth"),
+                    "draft_utilization": m.get("utilization"),  # = u_selected_depth
+                    "mean_depth_drafted": m.get("mean_depth"),  # (historical name) the mean deepest *selected* depth
+                    # u = MAT / mean depth, labelled by which depth: the deepest selected node of each step, or the
+                    # depth the step's tree was drafted to (ddd and the gated methods stop drafting early).
+                    "u_selected_depth": run["depths"].get("u_selected_depth"),
+                    "u_drafted_depth": run["depths"].get("u_drafted_depth"),
+                    "mean_drafted_depth": run["depths"].get("mean_drafted_depth"),
                     "tokens_per_s": tps,
                     "speedup_vs_ar": tps / ar_tps,
                     "accepted_per_verified_draft": m.get("accepted_per_verified_draft"),
@@ -137,6 +151,7 @@ def bench_hf(
                     "settings": settings.model_dump(),
                     "max_depth": max_depth,
                     "gated_depth": gated_depth or max_depth,
+                    "ddd": dataclasses.asdict(ddd or DDDSettings()),
                     "max_new_tokens": max_new_tokens,
                     "results": results,
                 },

@@ -3,7 +3,11 @@
 Methods, all verified by the same tree verifier over the same target forward:
   ar      plain autoregressive decoding (the reference output);
   chain   a fixed chain of K = max_depth draft tokens (top_k = 1);
-  eagle2  a dynamic tree reranked to a fixed total of K_max tokens by path score (no gates);
+  eagle2  EAGLE-2 as its official code drafts (`topK_genrate`, SafeAILab/EAGLE eagle/model/cnets.py): a pure
+          top-k frontier, every expanded child (k * k per depth) in the pool, the pool reranked to a fixed total of
+          K_max tokens by path score (no gates; `core.eagle2`);
+  ddd     Dynamic Depth Decoding (arXiv 2409.00142): eagle2's pool, deepened to `ddd.max_depth` unless the log of
+          the frontier's summed path probabilities falls below `ddd.threshold` at one of `ddd.check_depths`;
   siblings the spine and its sibling leaves (only the spine is expanded: a chain's head forwards), reranked
           like eagle2 (issue #13, Stage 0: what width costs without tree drafting);
   dense   ECHO's budget with a gate at every calibrated depth (ablation);
@@ -17,6 +21,7 @@ cost model, acceptance model and chooser, timed here (B = 1).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +47,7 @@ from echo_vllm.core import (
 from echo_vllm.core.auto_budget import DraftPlan
 from echo_vllm.core.budget_profile import default_profile_path
 from echo_vllm.core.cost_model import StepSample
+from echo_vllm.core.eagle2 import DDDSettings, grow_eagle2
 from echo_vllm.core.time_budget import TimeAwareBudget
 from echo_vllm.errors import InputError
 from echo_vllm.hf.drafter import Eagle3TreeDrafter
@@ -60,6 +66,8 @@ class MethodSpec:
     chain: bool = False  # top_k 1 and K = max_depth: a fixed chain
     rerank: bool = False  # EAGLE-2: every node competes on path score (select_eagle2), no spine priority
     siblings: bool = False  # the tree is the spine plus sibling leaves (grow_spine_siblings), not a full tree
+    pool: bool = False  # EAGLE-2's full pool (core.eagle2.grow_eagle2): all k * k children per depth, top-k frontier
+    ddd: bool = False  # DDD's early stop on the pool (EngineOptions.ddd); its depth limit is ddd.max_depth
 
 
 METHOD_SPECS = {
@@ -67,7 +75,8 @@ METHOD_SPECS = {
     for spec in (
         MethodSpec("ar", drafts=False),
         MethodSpec("chain", drafts=True, chain=True),
-        MethodSpec("eagle2", drafts=True, rerank=True),
+        MethodSpec("eagle2", drafts=True, rerank=True, pool=True),
+        MethodSpec("ddd", drafts=True, rerank=True, pool=True, ddd=True),
         MethodSpec("siblings", drafts=True, rerank=True, siblings=True),
         MethodSpec("dense", drafts=True, gate_mode="dense"),
         MethodSpec("fixed", drafts=True, gate_mode="fixed"),
@@ -109,15 +118,24 @@ class PhaseClock:
 
 @dataclass
 class EngineOptions:
+    """`max_depth`: the draft depth of every drafting method but ddd, whose limit is `ddd.max_depth`."""
+
     method: str = "echo"
     max_depth: int = 6
     echo: EchoSettings = field(default_factory=EchoSettings)
+    ddd: DDDSettings = field(default_factory=DDDSettings)
 
     def validate(self) -> None:
         if self.method not in METHODS:
             raise EngineInputError(f"method: unknown {self.method!r}; choose from {', '.join(METHODS)}")
         if not isinstance(self.max_depth, int) or self.max_depth < 1:
             raise EngineInputError(f"max_depth must be an integer >= 1; got {self.max_depth!r}")
+        if METHOD_SPECS[self.method].ddd:
+            if not isinstance(self.ddd, DDDSettings):
+                raise EngineInputError(f"ddd must be a DDDSettings (echo_vllm.core.eagle2); got {self.ddd!r}")
+            problems = self.ddd.problems()
+            if problems:
+                raise EngineInputError(problems[0])
 
 
 class HFEngine:
@@ -159,7 +177,7 @@ class HFEngine:
             self.drafter = Eagle3TreeDrafter(head)
         settings = options.echo
         self.top_k = 1 if spec.chain else settings.top_k
-        self.max_depth = options.max_depth
+        self.max_depth = options.ddd.max_depth if spec.ddd else options.max_depth
         self.budget: TimeAwareBudget | None = None
         if spec.chain or not spec.drafts:
             self.k_max = self.max_depth if spec.chain else 0
@@ -183,6 +201,8 @@ class HFEngine:
         self._plan = DraftPlan(self.max_depth, self.k_max, False)
         self.eos_id = self.target.model.config.eos_token_id
         self.metrics = EchoMetrics(self.max_depth)
+        self.drafted_depth_sum = 0  # the depth each verified step's tree was drafted to (u over drafted depth)
+        self.drafted_steps = 0
         self.phases = PhaseClock()
         self.calibration: Calibration | None = None
         self.recorder: CalibrationRecorder | None = None
@@ -313,6 +333,31 @@ class HFEngine:
         gated, tau = self.calibration.gate_tensors("cpu")
         return bool(gated[depth - 1]) and bool(scores[0].max().exp() < tau[depth - 1])
 
+    def _stop_pool(self, depth: int, frontier_scores: torch.Tensor) -> bool:
+        """eagle2/ddd: stop deepening the pool after `depth`. At depth >= K_max nothing deeper can be selected (an
+        ancestor-closed selection of K_max nodes reaches depth K_max at most): exact, the selection is unchanged.
+        ddd: its rule (core.eagle2.DDDSettings.should_stop)."""
+        if depth >= self.k_max:
+            return True
+        return self.spec.ddd and self.options.ddd.should_stop(depth, frontier_scores)
+
+    def depth_summary(self) -> dict[str, float]:
+        """u (MAT / mean depth) two ways, labelled: over the deepest *selected* depth of each step (EchoMetrics'
+        `utilization`) and over the depth the step's tree was *drafted* to (stopped early or not)."""
+        summary = self.metrics.summary()
+        mat, selected = summary.get("mat", math.nan), summary.get("mean_depth", math.nan)
+        drafted = self.drafted_depth_sum / self.drafted_steps if self.drafted_steps else math.nan
+
+        def ratio(depth: float) -> float:
+            return mat / depth if depth and not math.isnan(depth) else math.nan
+
+        return {
+            "mean_selected_depth": selected,
+            "mean_drafted_depth": drafted,
+            "u_selected_depth": ratio(selected),
+            "u_drafted_depth": ratio(drafted),
+        }
+
     def _drafted_depth(self, tree: DraftTree) -> int:
         """The deepest depth that has a valid node (drafting may have stopped early)."""
         valid_depths = torch.where(tree.valid[0], tree.depth[0], torch.zeros_like(tree.depth[0]))
@@ -342,7 +387,9 @@ class HFEngine:
 
     def _spec_step(self, pending: int, temperature: float, generator: torch.Generator) -> list[int]:
         clock = started = time.perf_counter()
-        if self.spec.siblings:
+        if self.spec.pool:
+            tree = grow_eagle2(self.drafter, 1, self.max_depth, self.top_k, stop_after=self._stop_pool).tree
+        elif self.spec.siblings:
             tree = grow_spine_siblings(self.drafter, 1, self.max_depth, self.top_k)
         else:
             tree = grow_tree(self.drafter, 1, self.max_depth, self.top_k, stop_after=self._stop_drafting)
@@ -380,6 +427,8 @@ class HFEngine:
         clock = self.phases.add("update_context", clock)
         cap = self._plan.k_cap if self.budget is not None else self.k_max
         self.metrics.update(sel, result, cap, depth_cap=gates.depth_cap, truncated=gates.truncated)
+        self.drafted_depth_sum += self._drafted_depth(tree)
+        self.drafted_steps += 1
         verified_depth = sel.order_depth.amax(dim=1)
         if self.budget is not None:
             self._observe_auto(tree, sel, result, verified_depth, predicted)

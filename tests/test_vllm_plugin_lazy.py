@@ -28,7 +28,13 @@ HEAVY = (
     "vllm.v1.core.sched.scheduler",
     "vllm.model_executor.models",
 )
-RUNNER_PATCHES = ["EchoDrafterPatch", "EchoVerificationFeedbackPatch"]
+RUNNER_PATCHES = [
+    "EchoDrafterPatch",
+    "EchoVerificationFeedbackPatch",
+    "EchoTreeInputsPatch",
+    "EchoTreeKVCompactionPatch",
+    "EchoTreeCudagraphGuardPatch",
+]
 FRONT_PATCHES = ["SpeculativeConfigPathPatch", "EchoEngineConfigPatch"]
 
 

@@ -171,6 +171,27 @@ def _prepare_metrics_channel() -> None:
             raise
 
 
+# Tree steps on CUDA (tree_attn_cuda: FlashAttention prefix + masked suffix, merged by LSE) are built and tested on
+# CPU against references, but have not run on a GPU: opt-in until they have.
+CUDA_TREES_ENV = "ECHO_VLLM_CUDA_TREES"
+
+
+def _require_flash_attention(engine_args: Any) -> None:
+    """CUDA tree steps need FLASH_ATTN (the tree fix-up subclasses it): set it, or refuse another explicit choice."""
+    from echo_vllm.vllm.tree_attn_cuda import required_attention_backend
+
+    config = engine_args.attention_config
+    try:
+        chosen = engine_args.attention_backend or getattr(config, "backend", None)
+        backend = required_attention_backend(chosen)
+    except ValueError as err:
+        raise EchoConfigError(str(err)) from None
+    if engine_args.attention_backend is not None:
+        engine_args.attention_backend = backend
+    else:
+        config.backend = backend
+
+
 class EchoEngineConfigPatch(EchoPatch):
     """Turn `{"method": "echo", ...}` into a validated eagle3 run carrying additional_config['echo'].
 
@@ -210,11 +231,16 @@ class EchoEngineConfigPatch(EchoPatch):
     def _create(engine_args, spec, original, args, kwargs):
         _require_all_hooks()  # ECHO requested: the whole table, before anything is changed or started
         on_cuda = _running_on_cuda()
-        eagle, payload = echo_spec.translate(spec, trees_supported=not on_cuda)
-        if on_cuda and payload["settings"]["top_k"] > 1:
+        cuda_trees = on_cuda and os.environ.get(CUDA_TREES_ENV) == "1"
+        eagle, payload = echo_spec.translate(spec, trees_supported=cuda_trees or not on_cuda)
+        if on_cuda and payload["settings"]["top_k"] > 1 and not cuda_trees:
             logger.warning(
-                "ECHO requested: tree verification has no CUDA attention path yet; drafting chains (top_k=1)"
+                "ECHO requested: tree verification on CUDA has not run on a GPU yet (set %s=1 to try it); "
+                "drafting chains (top_k=1)",
+                CUDA_TREES_ENV,
             )
+        if payload["tree"] and on_cuda:
+            _require_flash_attention(engine_args)
         _check_combinations(spec, engine_args)  # before anything is changed: a refusal leaves the args as given
         engine_args.speculative_config = eagle
         extra = dict(engine_args.additional_config or {})
@@ -258,10 +284,15 @@ class EchoDrafterPatch(EchoPatch):
             CpuExpandKernelOverride.activate()  # before the runner builds its samplers
             trees = bool(echo_spec.echo_payload(vllm_config).get("tree", False))
             if trees:
-                from echo_vllm.vllm.tree_attn_cpu import register_cpu_tree_backend
-
                 # Before the original: its attention layers look their backend up while they are built.
-                register_cpu_tree_backend()
+                if _running_on_cuda():
+                    from echo_vllm.vllm.tree_attn_cuda import register_cuda_tree_backend
+
+                    register_cuda_tree_backend()
+                else:
+                    from echo_vllm.vllm.tree_attn_cpu import register_cpu_tree_backend
+
+                    register_cpu_tree_backend()
 
             module: Any = importlib.import_module("vllm.v1.worker.gpu_model_runner")
             saved = module.EagleProposer
@@ -433,7 +464,6 @@ class EchoTreeKVCompactionPatch(EchoPatch):
 
 def _compact_tree_step(runner: Any, batch: Any, num_tokens: int) -> None:
     from echo_vllm.vllm import tree_state
-    from echo_vllm.vllm.tree_attn_cpu import echo_compact
 
     device = runner.device
     rows = torch.from_numpy(batch.draft_rows).to(device)
@@ -456,10 +486,52 @@ def _compact_tree_step(runner: Any, batch: Any, num_tokens: int) -> None:
                 if not isinstance(kv, torch.Tensor) or kv.data_ptr() in seen:
                     continue
                 seen.add(kv.data_ptr())
-                echo_compact(kv, src_slots, dst_slots, getattr(layer, "isa", None))
+                compact = getattr(getattr(layer, "impl", None), "echo_compact", None)
+                if compact is None:  # a layer outside the tree backends: its KV layout is unknown
+                    raise RuntimeError(f"ECHO tree step: attention layer {name} has no tree backend")
+                compact(kv, src_slots, dst_slots, getattr(layer, "isa", None))
     if moved:
         head_rows[dst] = src
     runner.drafter.tree_head_rows = head_rows
+
+
+class EchoTreeCudagraphGuardPatch(EchoPatch):
+    """Tree steps never replay a FULL CUDA graph (it was captured without the tree fix-up): while a TreeBatch is
+    published the dispatcher may pick PIECEWISE or eager only. Off tree steps, and on CPU (no graphs), a no-op."""
+
+    hook = "vllm.v1.worker.gpu_model_runner:GPUModelRunner._determine_batch_execution_and_padding"
+    why = "tree steps never replay a FULL CUDA graph (captured without the tree mask)"
+    params = (
+        "self",
+        "num_tokens",
+        "num_reqs",
+        "num_scheduled_tokens_np",
+        "max_num_scheduled_tokens",
+        "use_cascade_attn",
+        "allow_microbatching",
+        "force_eager",
+        "force_uniform_decode",
+        "force_has_lora",
+        "force_num_active_loras",
+        "num_encoder_reqs",
+    )
+
+    @classmethod
+    def build(cls, original):
+        guarded: list[Any] = []  # tree_attn_cuda imports vLLM's FlashAttention backend: only on a first tree step
+
+        def _determine_batch_execution_and_padding(self, *args, **kwargs):
+            from echo_vllm.vllm import tree_state
+
+            if tree_state.current() is None:
+                return original(self, *args, **kwargs)
+            if not guarded:
+                from echo_vllm.vllm.tree_attn_cuda import guard_batch_execution
+
+                guarded.append(guard_batch_execution(original))
+            return guarded[0](self, *args, **kwargs)
+
+        return _determine_batch_execution_and_padding
 
 
 PATCHES: tuple[type[EchoPatch], ...] = (
@@ -469,6 +541,7 @@ PATCHES: tuple[type[EchoPatch], ...] = (
     EchoVerificationFeedbackPatch,
     EchoTreeInputsPatch,
     EchoTreeKVCompactionPatch,
+    EchoTreeCudagraphGuardPatch,
 )
 
 

@@ -352,10 +352,11 @@ class Calibration:
                 continue
             elif a is None or a <= self.delta:
                 key, value = ("have", f"AUC {{v}} <= delta {self.delta}"), _fmt(a, 2)
-            elif gain is not None and gain[d - 1] is not None:
-                full = len(depths) >= (self.max_gates or 0) and gain[d - 1] >= (self.min_gain or 0.0) > 0.0
+            elif gain is not None and (g := gain[d - 1]) is not None:
+                # left out because the cap was reached although it would add enough, or because it adds too little
+                full = len(depths) >= (self.max_gates or 0) and g >= (self.min_gain or 0.0) and g > 0.0
                 limit = f"(max_gates {self.max_gates} reached)" if full else f"< min_gain {self.min_gain}"
-                key, value = ("add", f"{{v}} {limit}"), f"{gain[d - 1]:.3f}"
+                key, value = ("add", f"{{v}} {limit}"), f"{g:.3f}"
             else:
                 continue
             groups.setdefault(key, []).append((d, value))

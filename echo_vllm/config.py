@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from echo_vllm.errors import ConfigError
 
-GateMode = Literal["sparse", "dense", "fixed"]
+GateMode = Literal["sparse", "auc", "dense", "fixed"]
 SurplusWidth = Literal["all", "truncated"]
 
 
@@ -35,7 +35,22 @@ class EchoSettings(BaseModel):
     top_k: int = Field(default=4, ge=1, le=16, description="Children expanded per node and nodes kept per depth.")
     delta: float = Field(default=0.6, ge=0.5, le=1.0, description="AUC above which a depth is a sweet spot.")
     warmup_steps: int = Field(default=32, ge=0, description="Verification steps recorded before gates apply.")
-    gate_mode: GateMode = Field(default="sparse", description="sparse (ECHO), dense (every depth), fixed (one tau).")
+    gate_mode: GateMode = Field(
+        default="sparse",
+        description="sparse (ECHO: the sweet spots that add to the gates shallower than them, at most max_gates), "
+        "auc (every sweet spot, the paper's rule read literally), dense (every depth), fixed (one tau).",
+    )
+    max_gates: int = Field(
+        default=3,
+        description="gate_mode sparse: at most this many checkpoints (integer >= 1; gate_mode dense for a gate at "
+        "every depth).",
+    )
+    min_gain: float = Field(
+        default=0.02,
+        description="gate_mode sparse: a sweet spot becomes a checkpoint only if adding its gate raises the gate "
+        "set's J (saved share of rejected draft tokens minus lost share of accepted ones, on the warm-up "
+        "samples) by at least this (0..1).",
+    )
     calibration_file: str | None = Field(
         default=None,
         description="JSON calibration to load; if the file does not exist it is written after warm-up.",
@@ -78,6 +93,28 @@ class EchoSettings(BaseModel):
         description="vLLM: after this many consecutive steps with a fault inside ECHO (each runs "
         "without drafts), ECHO turns itself off for the process; the engine keeps serving.",
     )
+
+    @field_validator("max_gates", mode="before")
+    @classmethod
+    def _check_max_gates(cls, value: Any) -> Any:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"max_gates must be an integer >= 1 (the most checkpoints gate_mode 'sparse' keeps; gate_mode "
+                f"'dense' gates every depth); got {value!r}"
+            )
+        return value
+
+    @field_validator("min_gain", mode="before")
+    @classmethod
+    def _check_min_gain(cls, value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+            raise ValueError(
+                f"min_gain must be a number in [0, 1] (the least gain in J a sparse checkpoint must add; "
+                f"default 0.02); got {value!r}"
+            )
+        return float(value)
 
     @field_validator("k_max", mode="before")
     @classmethod

@@ -88,7 +88,7 @@ def test_modes_decide_which_depths_gate():
         conf[:, 1] = torch.where(acc[:, 1], 0.6 + 0.3 * conf[:, 1], 0.1 + 0.3 * conf[:, 1])
         rec.record(conf, acc, torch.full((64,), 3))
     low = torch.full((1, 3), 0.05)  # below every tau
-    sparse = calibrate(rec, "sparse", 0.6, 8)
+    sparse = calibrate(rec, "auc", 0.6, 8)
     assert gate_caps(low, sparse)[0].tolist() == [2]  # only the sweet spot (depth 2) gates
     dense = calibrate(rec, "dense", 0.6, 8)
     assert gate_caps(low, dense)[0].tolist() == [1]

@@ -158,7 +158,7 @@ def test_calibration_file_written_after_warmup(root, prompts, tmp_path):
     for p in prompts[:3]:
         engine.generate(p, MAX_NEW)
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 1 and data["max_depth"] == 5 and data["mode"] == "sparse"
+    assert data["schema_version"] == 2 and data["max_depth"] == 5 and data["mode"] == "sparse"
     again = HFEngine(root / "target", root / "eagle3", EngineOptions(method="echo", max_depth=5, echo=settings))
     assert again.calibration == engine.calibration
 

@@ -29,6 +29,8 @@ def bench_hf_command(args: argparse.Namespace) -> int:
             "top_k": args.top_k,
             "warmup_steps": args.warmup_steps,
             "delta": args.delta,
+            "max_gates": args.max_gates,
+            "min_gain": args.min_gain,
             "surplus_width": args.surplus_width,
         }
     )
@@ -58,6 +60,11 @@ def bench_hf_command(args: argparse.Namespace) -> int:
             "identical_to_ar",
         ],
     )
+    gates = [r for r in results if r.get("gates")]
+    if gates:
+        print("\ngates (calibrated in warm-up; J = saved share of rejected minus lost share of accepted drafts):")
+        for r in gates:
+            print(f"  {r['method']} {r['dataset']}: {r['gates']}")
     print("\nms per decoding step, by phase (speedup vs ar = MAT x ar ms/step / ms/step):")
     phases = [
         {"method": r["method"], "dataset": r["dataset"], **r["ms_per_step"], "total": sum(r["ms_per_step"].values())}
@@ -112,6 +119,10 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     bhf.add_argument("--top-k", type=int, default=4)
     bhf.add_argument("--warmup-steps", type=int, default=32)
     bhf.add_argument("--delta", type=float, default=0.6)
+    bhf.add_argument("--max-gates", type=int, default=3, help="echo.max_gates: the most checkpoints echo keeps")
+    bhf.add_argument(
+        "--min-gain", type=float, default=0.02, help="echo.min_gain: the least gain in J an echo checkpoint adds"
+    )
     bhf.add_argument(
         "--ddd-threshold",
         type=float,

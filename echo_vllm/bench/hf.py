@@ -70,6 +70,8 @@ def run_methods_interleaved(
                 "metrics": engine.metrics.summary() if method != "ar" else {},
                 "ms_per_step": engine.phases.ms_per_step(),
                 "calibration": engine.calibration.to_json_dict() if engine.calibration else None,
+                "gates": engine.calibration.describe() if engine.calibration else None,
+                "gated_depths": engine.calibration.sweet_spots if engine.calibration else None,
                 "max_depth": engine.max_depth,
                 "depths": engine.depth_summary() if method != "ar" else {},
             }
@@ -139,6 +141,9 @@ def bench_hf(
                     "budget_used": m.get("budget_used"),
                     "identical_to_ar": run["outputs"] == ar["outputs"],
                     "sweet_spots": (run["calibration"] or {}).get("gated"),
+                    # Which depths are gated and why (Calibration.describe), e.g. "sparse: gates at depths [2, 4] ..."
+                    "gated_depths": run["gated_depths"],
+                    "gates": run["gates"],
                     # Where a decoding step's time goes (ar: one target forward per token).
                     "ms_per_step": run["ms_per_step"],
                 }

@@ -21,6 +21,7 @@ cost model, acceptance model and chooser, timed here (B = 1).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -54,6 +55,8 @@ from echo_vllm.hf.drafter import Eagle3TreeDrafter
 from echo_vllm.hf.target import HFTarget
 from echo_vllm.models.eagle3 import Eagle3Head, read_head_config
 from echo_vllm.ops import select_budget, select_eagle2
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -213,6 +216,7 @@ class HFEngine:
                 self.calibration = Calibration.load(
                     path, expected_max_depth=self.max_depth, expected_mode=spec.gate_mode
                 )
+                logger.info("ECHO calibration (%s): loaded %s; %s", self.method, path, self.calibration.describe())
 
     # ---- one verification step -----------------------------------------------------------------------------
 
@@ -242,9 +246,22 @@ class HFEngine:
             return
         if self.recorder.num_steps < settings.warmup_steps:
             return
-        self.calibration = calibrate(self.recorder, self.spec.gate_mode, settings.delta, settings.min_samples_per_class)
+        self.calibration = calibrate(
+            self.recorder,
+            self.spec.gate_mode,
+            settings.delta,
+            settings.min_samples_per_class,
+            max_gates=settings.max_gates,
+            min_gain=settings.min_gain,
+        )
         if settings.calibration_file:
             self.calibration.save(settings.calibration_file)
+        logger.info(
+            "ECHO calibration (%s): calibrated after %d steps; %s",
+            self.method,
+            self.recorder.num_steps,
+            self.calibration.describe(),
+        )
 
     @torch.inference_mode()
     def generate(

@@ -644,7 +644,7 @@ class EchoProposer(EagleProposer):
     def _finish_warmup(self) -> None:
         s = self.echo_settings
         self.calibration = calibrate(
-            self.recorder, mode=s.gate_mode, delta=s.delta, min_samples_per_class=s.min_samples_per_class
+            self.recorder, s.gate_mode, s.delta, s.min_samples_per_class, s.max_gates, s.min_gain
         )
         self.calibration_source = f"calibrated after {self.warmup_recorded} steps"
         if s.calibration_file and self.is_writer:
@@ -661,13 +661,7 @@ class EchoProposer(EagleProposer):
                         path,
                         err,
                     )
-        logger.info(
-            "ECHO calibration: %s; sweet spots=%s tau=%s auc=%s",
-            self.calibration_source,
-            self.calibration.sweet_spots,
-            self.calibration.tau,
-            self.calibration.auc,
-        )
+        logger.info("ECHO calibration: %s; %s", self.calibration_source, self.calibration.describe())
 
     def _account(self, counts: list[int], batch: int, ragged: list[list[int]]) -> None:
         """The debug step log and the periodic stats line (host work on the host lists of this step)."""

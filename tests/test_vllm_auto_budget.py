@@ -50,12 +50,13 @@ def _run(prompts, max_num_seqs, echo, step_log=None):
     return run_in_subprocess(job, extra_env={"ECHO_VLLM_STEP_LOG": str(step_log)} if step_log else None)
 
 
-@pytest.mark.parametrize("max_num_seqs", [1, 8, 32])
-def test_auto_greedy_identical_through_every_phase(prompts, tmp_path, max_num_seqs):
+# Trees (the default top_k 4) at batch 1 and 32, chains at batch 8.
+@pytest.mark.parametrize("max_num_seqs, top_k", [(1, 4), (8, 1), (32, 4)])
+def test_auto_greedy_identical_through_every_phase(prompts, tmp_path, max_num_seqs, top_k):
     used = prompts[: 16 if max_num_seqs == 1 else 64]
     baseline = _run(used, max_num_seqs, None)
     step_log = tmp_path / "steps.jsonl"
-    echo = _run(used, max_num_seqs, ECHO, step_log)
+    echo = _run(used, max_num_seqs, {**ECHO, "top_k": top_k}, step_log)
     mismatches = [i for i, (a, b) in enumerate(zip(baseline["token_ids"], echo["token_ids"])) if a != b]
     assert not mismatches, f"k_max auto, max_num_seqs={max_num_seqs}: prompts {mismatches[:5]} differ from no-spec"
     steps = _steps(step_log)
@@ -63,9 +64,10 @@ def test_auto_greedy_identical_through_every_phase(prompts, tmp_path, max_num_se
     assert phases[0] == "warmup" and "profile" in phases and phases[-1] == "auto", sorted(set(phases))
     assert phases.index("profile") < phases.index("auto")
     for s in steps:
-        assert s["k_max"] == "auto" and s["sum"] <= s["k_cap"] <= s["batch"] * DEPTH
+        assert s["k_max"] == "auto" and s["sum"] <= s["k_cap"] <= s["batch"] * DEPTH * top_k
         assert 0 <= s["drafted_depth"] <= s["draft_depth"] <= DEPTH  # the early exit may stop sooner
-        assert all(c <= s["drafted_depth"] for c in s["counts"]) and len(s["accepted"]) <= s["batch"]
+        assert all(c <= s["drafted_depth"] * top_k for c in s["counts"]) and len(s["accepted"]) <= s["batch"]
+        assert s["tree_step"] == (top_k > 1)
     profile_depths = {s["draft_depth"] for s in steps if s["phase"] == "profile"}
     assert len(profile_depths) > 1, "the profile did not sweep draft depths"
     assert any("ECHO budget" in line or "budget=auto" in line for line in echo["echo_log"])

@@ -28,8 +28,22 @@ def _spec(head, **echo):
 
 def test_translate_to_eagle3(head):
     eagle, payload = spec.translate(_spec(head, k_max=6, warmup_steps=3))
-    assert eagle == {"method": "eagle3", "model": head, "num_speculative_tokens": 4}
+    # The default top_k 4 drafts trees: vLLM's num_speculative_tokens is the tree capacity, ECHO's depth stays 4.
+    assert eagle == {"method": "eagle3", "model": head, "num_speculative_tokens": 16}
     assert payload["max_depth"] == 4 and payload["settings"]["k_max"] == 6 and payload["settings"]["warmup_steps"] == 3
+    assert payload["tree"] is True
+
+
+def test_translate_chains_and_tree_capacity(head):
+    eagle, payload = spec.translate(_spec(head, top_k=1))
+    assert eagle["num_speculative_tokens"] == 4 and payload["tree"] is False
+    eagle, payload = spec.translate(_spec(head, top_k=4), trees_supported=False)  # a platform without trees
+    assert eagle["num_speculative_tokens"] == 4 and payload["tree"] is False
+    too_big = _spec(head, top_k=16)
+    too_big["num_speculative_tokens"] = 4
+    with pytest.raises(EchoConfigError, match="tree capacity 63") as err:
+        spec.translate(too_big)
+    assert "\n" not in str(err.value) and "top_k" in str(err.value)
 
 
 @pytest.mark.parametrize(

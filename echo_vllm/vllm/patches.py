@@ -391,7 +391,12 @@ class EchoTreeInputsPatch(EchoPatch):
 
             tree_state.clear()  # a batch left by a step that raised must never reach this one
             result = original(self, scheduler_output, num_scheduled_tokens)
-            plans = getattr(getattr(self, "drafter", None), "tree_plans", None)
+            drafter = getattr(self, "drafter", None)
+            plans = getattr(drafter, "tree_plans", None)
+            if plans:
+                # Plans are for the step right after the one that drafted them: a step whose proposer did not run
+                # (vLLM zeroes drafts near max_model_len) must not meet stale ones.
+                drafter.tree_plans = {}
             if plans and scheduler_output.scheduled_spec_decode_tokens:
                 reason = _tree_step_refused(self, scheduler_output)
                 if reason is None:
@@ -419,13 +424,17 @@ def _publish_tree_batch(runner: Any, scheduled_spec: dict[str, list[int]], plans
 
     num_reqs = runner.input_batch.num_reqs
     req_ids = runner.input_batch.req_ids[:num_reqs]
+    mismatched: list[int] = []
     batch = tree_state.build_tree_batch(
         [plans.get(rid) for rid in req_ids],
         [scheduled_spec.get(rid, []) for rid in req_ids],
         runner.input_batch.num_computed_tokens_cpu[:num_reqs],
         runner.query_start_loc.np[:num_reqs],
         runner.device,
+        mismatched,
     )
+    if mismatched:
+        runner.drafter.note_plan_mismatch(len(mismatched))
     if batch is None:  # every scheduled prefix is a chain: vLLM's own path is exact
         return
     rows = torch.from_numpy(batch.draft_rows).to(runner.device)

@@ -127,6 +127,8 @@ class EchoProposer(EagleProposer):
         self._tree_step = False  # this step drafts trees (tree mode and the batch's sampling allows it)
         self._tree_fallback_logged = False
         self.tree_chain_fallbacks = 0  # steps that verified or drafted chains because of the batch's settings
+        self.tree_plan_mismatches = 0  # requests whose scheduled drafts were not their plan's (verified as chains)
+        self._mismatch_logged = False
         self._echo_topk: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._adversary = adversary_from_env() if self.tree_mode else None
         self.tree_leaf_accepts = 0  # accepted nodes that had to be moved (non-spine paths), for logs and tests
@@ -306,9 +308,10 @@ class EchoProposer(EagleProposer):
             return self._no_drafts()
         self._stage = "draft"
         try:
+            # First: the head rows belong to this step's inputs only, whatever happens below.
+            self._use_tree_head_rows(kwargs)
             self.faults.maybe_inject("draft")
             batch = self._runner.input_batch.num_reqs if self._runner is not None else 0
-            self._use_tree_head_rows(kwargs)
             self._tree_step = self.tree_mode and self._trees_allowed(kwargs.get("sampling_metadata"))
             target = kwargs.get("target_token_ids")  # tokens of this step's target forward (the runner's keyword)
             self._step_tokens = int(target.shape[0]) if isinstance(target, torch.Tensor) else batch
@@ -388,6 +391,16 @@ class EchoProposer(EagleProposer):
             if getattr(params, "structured_outputs", None) is not None:
                 return True
         return False
+
+    def note_plan_mismatch(self, count: int) -> None:
+        """`count` requests' scheduled drafts were not their plans' (vLLM replaced them): verified as chains."""
+        self.tree_plan_mismatches += count
+        if not self._mismatch_logged:
+            self._mismatch_logged = True
+            logger.info(
+                "ECHO: a step's scheduled drafts were not the drafted trees (vLLM replaced them, e.g. near "
+                "max_model_len); those requests verify as chains (exact); further cases are counted"
+            )
 
     def note_chain_fallback(self, reason: str) -> None:
         """A step verified (or drafted) as chains because the batch has `reason`; logged once, counted."""
@@ -723,6 +736,7 @@ class EchoProposer(EagleProposer):
             "trees": self.tree_mode,
             "tree_moved": self.tree_leaf_accepts,  # accepted nodes off the spine (their KV moved)
             "tree_chain_fallbacks": self.tree_chain_fallbacks,
+            "tree_plan_mismatches": self.tree_plan_mismatches,
             "calibration": self.calibration_source,
             "sweet_spots": self.calibration.sweet_spots if self.calibration is not None else [],
             **self.faults.summary(),

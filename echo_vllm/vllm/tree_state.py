@@ -30,7 +30,7 @@ MAX_TREE_NODES = 63  # ancestor sets travel as int64 bit masks over a request's 
 
 
 class TreeMismatchError(RuntimeError):
-    """The scheduled draft tokens are not a prefix of the plan the proposer made for them: a bug, never silent."""
+    """The scheduled draft tokens are not a prefix of the plan the proposer made for them (strict mode)."""
 
 
 @dataclass(frozen=True)
@@ -114,12 +114,16 @@ def build_tree_batch(
     context_len: np.ndarray,
     root_row: np.ndarray,
     device: torch.device | str,
+    mismatched: list[int] | None = None,
 ) -> TreeBatch | None:
     """The step's TreeBatch, or None when every scheduled prefix is a chain (the stock chain path is exact then).
 
     plans[i]: the plan the proposer made for request i of this step's batch; None: no plan (a new or resumed
     request, whose scheduled drafts are the scheduler's placeholders), verified as a chain. scheduled[i]: the draft
-    tokens the scheduler scheduled for it, a prefix of its plan (anything else raises TreeMismatchError).
+    tokens the scheduler scheduled for it, normally a prefix of its plan. vLLM may replace a step's drafts on
+    its own (zeros when the batch nears max_model_len, placeholders for resumed requests): a request whose
+    scheduled drafts are not a prefix of its plan is verified as a chain, which is exact for any token list, and
+    its row is appended to `mismatched`; with `mismatched=None` (tests) it raises TreeMismatchError.
     """
     num_reqs = len(scheduled)
     if len(plans) != num_reqs or len(context_len) < num_reqs or len(root_row) < num_reqs:
@@ -139,10 +143,14 @@ def build_tree_batch(
             plans[i] = TreePlan.chain(list(drafts))
             continue
         if len(plan.tokens) < n or list(plan.tokens[:n]) != list(drafts):
-            raise TreeMismatchError(
-                f"request row {i}: scheduled drafts {list(drafts)[:8]}... are not a prefix of the tree plan "
-                f"{None if plan is None else list(plan.tokens)[:8]}..."
-            )
+            if mismatched is None:
+                raise TreeMismatchError(
+                    f"request row {i}: scheduled drafts {list(drafts)[:8]}... are not a prefix of the tree plan "
+                    f"{list(plan.tokens)[:8]}..."
+                )
+            mismatched.append(i)
+            plans[i] = TreePlan.chain(list(drafts))
+            continue
         tree = tree or not plan.is_chain(n)
     if not tree:
         return None

@@ -393,10 +393,12 @@ class EchoTreeInputsPatch(EchoPatch):
             result = original(self, scheduler_output, num_scheduled_tokens)
             drafter = getattr(self, "drafter", None)
             plans = getattr(drafter, "tree_plans", None)
-            if plans:
-                # Plans are for the step right after the one that drafted them: a step whose proposer did not run
-                # (vLLM zeroes drafts near max_model_len) must not meet stale ones.
+            if plans is not None:
+                # Plans are for the step right after the one that drafted them, and head rows for the proposer of
+                # the step that compacted: a step whose proposer did not run (vLLM skips it when the batch nears
+                # max_model_len) must not leave either to a later step.
                 drafter.tree_plans = {}
+                drafter.tree_head_rows = None
             if plans and scheduler_output.scheduled_spec_decode_tokens:
                 reason = _tree_step_refused(self, scheduler_output)
                 if reason is None:

@@ -86,6 +86,20 @@ def test_chooser_picks_the_knee_of_a_flat_then_linear_curve():
     assert float(choice.predicted_accepted) == pytest.approx(4.2)
 
 
+def test_chooser_charges_tree_steps_for_their_nodes_off_the_spine():
+    # Four spine candidates, then four width candidates, all at depth 1, on a flat verification curve: width is
+    # free by tokens alone, so it is bought; once tree steps cost their measured extra, it is not.
+    gains = torch.tensor([0.8, 0.7, 0.6, 0.5, 0.3, 0.3, 0.2, 0.2], dtype=torch.float64)
+    width = torch.tensor([False] * 4 + [True] * 4)
+    args = (gains, torch.ones(8, dtype=torch.long), torch.ones(8, dtype=torch.bool), torch.ones(9), torch.zeros(2))
+    free = choose_budget(*args, base_tokens=1.0, k_cap=8, ordered_width=width)
+    assert int(free.k) == 8
+    costly = choose_budget(*args, base_tokens=1.0, k_cap=8, ordered_width=width, tree_terms=(0.5, 0.05))
+    assert int(costly.k) == 4  # the spines only: a chain step
+    cheap = choose_budget(*args, base_tokens=1.0, k_cap=8, ordered_width=width, tree_terms=(0.05, 0.01))
+    assert int(cheap.k) == 8
+
+
 def test_chooser_charges_the_draft_depth_and_respects_cap_and_floor():
     gains = torch.tensor([0.9, 0.9, 0.05, 0.05], dtype=torch.float64)
     depth = torch.tensor([1, 1, 2, 2])  # two requests, depth 2 each, in rank order

@@ -50,6 +50,24 @@ def test_flat_then_linear_keeps_the_knee_and_never_falls():
     assert curve == sorted(curve)  # time never falls as the step grows
 
 
+def test_tree_steps_extra_cost_is_recovered_and_travels():
+    base = _samples(lambda n, b: 0.002 + 0.0003 * n, _draft, noise=0.02)
+    rng = random.Random(3)
+    trees = []
+    for s in base[:150]:  # half the steps verify 1..12 nodes off the spine: + 1 ms + 0.2 ms per node
+        w = rng.randint(1, 12)
+        trees.append(StepSample(s.num_tokens, s.batch, s.draft_depth, s.rest_s + 0.001 + 0.0002 * w, s.draft_s, w))
+    model = fit_cost_model(trees + base[150:])
+    assert model is not None and model.fit_error < 0.05
+    t0, t1 = model.tree_terms
+    assert t0 == pytest.approx(0.001, rel=0.25) and t1 == pytest.approx(0.0002, rel=0.25)
+    assert float(model.tree_seconds(torch.tensor(0.0))) == 0.0
+    assert float(model.tree_seconds(torch.tensor(5.0))) == pytest.approx(t0 + 5 * t1)
+    assert CostModel.from_vector(model.to_vector()) == model
+    chains = fit_cost_model(base)
+    assert chains is not None and chains.tree_terms == pytest.approx((0.0, 0.0), abs=1e-4)
+
+
 def test_idle_gaps_do_not_move_the_fit():
     clean = fit_cost_model(_samples(lambda n, b: 0.002 + 0.0003 * n, _draft))
     dirty = fit_cost_model(_samples(lambda n, b: 0.002 + 0.0003 * n, _draft, outliers=15))

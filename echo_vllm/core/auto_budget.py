@@ -86,6 +86,8 @@ def choose_budget(
     base_tokens: float,
     k_cap: int,
     k_min: int = 0,
+    ordered_width: torch.Tensor | None = None,
+    tree_terms: tuple[float, float] = (0.0, 0.0),
 ) -> BudgetChoice:
     """The (draft depth d, prefix of ECHO's order) with the highest expected tokens per second (no host sync).
 
@@ -103,7 +105,12 @@ def choose_budget(
     count = torch.cumsum(mask.to(torch.int64), dim=1)
     rest = rest_seconds.to(device, torch.float64)
     draft = draft_seconds.to(device, torch.float64)
-    rate = (base_tokens + gain) / (rest[count] + draft.unsqueeze(1)).clamp(min=1e-12)
+    step_rest = rest[count]
+    if ordered_width is not None and any(tree_terms):
+        # A prefix that verifies W > 0 nodes off the spine is a tree step: it pays t0 + t1 W on top of its tokens.
+        width = torch.cumsum((mask & ordered_width.unsqueeze(0)).to(torch.float64), dim=1)
+        step_rest = step_rest + torch.where(width > 0, tree_terms[0] + tree_terms[1] * width, torch.zeros_like(width))
+    rate = (base_tokens + gain) / (step_rest + draft.unsqueeze(1)).clamp(min=1e-12)
     plain = (base_tokens / (rest[0] + draft[0]).clamp(min=1e-12)).reshape(1)
     allowed = mask & (count <= k_cap) & (count >= k_min)
     rate = torch.where(allowed, rate, torch.full_like(rate, float("-inf")))
@@ -142,10 +149,12 @@ def select_auto(
     k_cap: int,
     surplus_tail: bool,
     k_min: int = 0,
+    tree_terms: tuple[float, float] = (0.0, 0.0),
 ) -> AutoSelection:
     """ECHO's order, cut where expected tokens per second peak (see `choose_budget` and the module docstring).
 
-    gains [B, N]: each node's probability of being accepted; rest_seconds [B * N + 1]; draft_seconds [D + 1].
+    gains [B, N]: each node's probability of being accepted; rest_seconds [B * N + 1]; draft_seconds [D + 1];
+    tree_terms: the cost model's (t0, t1), charged to prefixes that verify nodes off the spine.
     """
     rank, eligible = priority_rank(tree, gates, surplus_tail)
     choice = choose_budget(
@@ -157,6 +166,8 @@ def select_auto(
         base_tokens=base_tokens,
         k_cap=k_cap,
         k_min=k_min,
+        ordered_width=in_rank_order(rank, eligible & ~tree.spine),
+        tree_terms=tree_terms,
     )
     chosen = eligible & (rank <= choice.last_position) & (tree.depth <= choice.depth)
     return AutoSelection(compact_selection(chosen, tree.depth, tree.parent), choice)

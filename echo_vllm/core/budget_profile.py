@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from echo_vllm.core.acceptance import AcceptanceModel
 from echo_vllm.core.atomic_file import atomic_write_text
-from echo_vllm.core.cost_model import DRAFT_TERMS, CostModel
+from echo_vllm.core.cost_model import DRAFT_TERMS, TREE_TERMS, CostModel
 from echo_vllm.errors import CalibrationError
 
 SCHEMA_VERSION = 1
@@ -32,6 +32,8 @@ class _CostModelJson(BaseModel):
     draft_terms: list[float] = Field(min_length=DRAFT_TERMS, max_length=DRAFT_TERMS)
     fit_error: float = Field(ge=0)
     num_samples: int = Field(ge=0)
+    # Added with tree verification; profiles written before it have none (chains only: no tree cost).
+    tree_terms: list[float] = Field(default_factory=lambda: [0.0, 0.0], min_length=TREE_TERMS, max_length=TREE_TERMS)
 
 
 class _AcceptanceJson(BaseModel):
@@ -71,6 +73,7 @@ def save_profile(path: str | os.PathLike[str], cost: CostModel, acceptance: Acce
             "draft_terms": list(cost.draft_terms),
             "fit_error": cost.fit_error,
             "num_samples": cost.num_samples,
+            "tree_terms": list(cost.tree_terms),
         },
         "acceptance": acceptance.to_json_dict(),
     }
@@ -118,6 +121,7 @@ def load_profile(
             (c.draft_terms[0], c.draft_terms[1], c.draft_terms[2], c.draft_terms[3]),
             c.fit_error,
             c.num_samples,
+            (c.tree_terms[0], c.tree_terms[1]),
         )
         acceptance = AcceptanceModel.from_json_dict(data.acceptance.model_dump(), expected_max_depth, device)
     except (ValueError, RuntimeError) as err:

@@ -8,6 +8,9 @@ prefill chunks), B the number of running requests and d the draft depth drafted 
                 a piecewise-linear, non-decreasing curve in N over power-of-two knots (flat below the hardware's
                 saturation knee on a GPU, about linear on a small CPU) plus a per-request term;
   draft(B, d) = a + b B + d (c + e B): the drafter's first pass plus d - 1 chained passes at batch B.
+A step that verifies a tree with W nodes off the spine (rows whose attention needs the tree mask) adds
+  tree(W)     = t0 [W > 0] + t1 W: the tree step's fixed work (positions, masks, compaction) and the masked
+                attention per such row, which a step of N chain tokens does not pay.
 
 The samples are the step times the proposer observes (`StepSample`); `fit_cost_model` fits both parts with a few
 Huber-reweighted least-squares passes (robust to the +-20 % noise and to the odd idle gap), a second-difference
@@ -28,6 +31,7 @@ import torch
 
 MAX_KNOT_EXPONENT = 16  # knots 1, 2, 4, ..., 65536 tokens: more than any step's max_num_batched_tokens here
 DRAFT_TERMS = 4  # a, b, c, e of draft(B, d)
+TREE_TERMS = 2  # t0, t1 of tree(W)
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,7 @@ class StepSample:
     draft_depth: int
     rest_s: float
     draft_s: float
+    width: int = 0  # verified nodes off the spine in this step's forward (tree rows)
 
 
 class StepSamples:
@@ -99,7 +104,8 @@ def _robust_lstsq(x: torch.Tensor, y: torch.Tensor, ridge: torch.Tensor, passes:
 
 @dataclass(frozen=True)
 class CostModel:
-    """rest(N, B) over `knots` (seconds per knot, non-decreasing) + `per_request_s` x B; draft terms (a, b, c, e).
+    """rest(N, B) over `knots` (seconds per knot, non-decreasing) + `per_request_s` x B; draft terms (a, b, c, e);
+    tree terms (t0, t1) of a step verifying W > 0 nodes off the spine.
 
     fit_error: median relative error |predicted - observed| / observed of the step time over the fitted samples.
     """
@@ -110,15 +116,18 @@ class CostModel:
     draft_terms: tuple[float, float, float, float]
     fit_error: float
     num_samples: int
+    tree_terms: tuple[float, float] = (0.0, 0.0)
 
     def __post_init__(self) -> None:
         if len(self.knots) < 2 or len(self.knots) != len(self.rest_s):
             raise ValueError("a cost model needs >= 2 knots and one rest time per knot")
         if any(b <= a for a, b in zip(self.knots, self.knots[1:])):
             raise ValueError("cost model knots must be strictly increasing")
-        values = [*self.rest_s, self.per_request_s, *self.draft_terms]
-        if len(self.draft_terms) != DRAFT_TERMS or not all(math.isfinite(v) and v >= 0 for v in values):
-            raise ValueError("cost model times must be finite and >= 0 (4 draft terms)")
+        values = [*self.rest_s, self.per_request_s, *self.draft_terms, *self.tree_terms]
+        if len(self.draft_terms) != DRAFT_TERMS or len(self.tree_terms) != TREE_TERMS:
+            raise ValueError("a cost model has 4 draft terms and 2 tree terms")
+        if not all(math.isfinite(v) and v >= 0 for v in values):
+            raise ValueError("cost model times must be finite and >= 0")
 
     # -- evaluation -------------------------------------------------------------------------------------------
 
@@ -129,6 +138,12 @@ class CostModel:
         flat = num_tokens.reshape(-1).to("cpu", torch.float64)
         curve = _hat_basis(flat, knots) @ values
         return (curve + self.per_request_s * batch).reshape(num_tokens.shape)
+
+    def tree_seconds(self, width: torch.Tensor) -> torch.Tensor:
+        """Extra seconds of steps verifying `width` nodes off the spine (any shape; 0 for chains)."""
+        t0, t1 = self.tree_terms
+        w = width.to(torch.float64)
+        return torch.where(w > 0, t0 + t1 * w, torch.zeros_like(w))
 
     def draft_seconds(self, batch: int, draft_depth: int) -> float:
         a, b, c, e = self.draft_terms
@@ -141,7 +156,7 @@ class CostModel:
     # -- transport (TP broadcast) -----------------------------------------------------------------------------
 
     def to_vector(self) -> list[float]:
-        """Flat floats: [K, knots..., rest..., per_request, draft terms..., fit_error, num_samples]."""
+        """Flat floats: [K, knots..., rest..., per_request, draft terms..., fit_error, num_samples, tree terms...]."""
         return [
             float(len(self.knots)),
             *self.knots,
@@ -150,6 +165,7 @@ class CostModel:
             *self.draft_terms,
             self.fit_error,
             float(self.num_samples),
+            *self.tree_terms,
         ]
 
     @classmethod
@@ -159,11 +175,12 @@ class CostModel:
         rest = tuple(float(x) for x in vector[1 + k : 1 + 2 * k])
         tail = [float(x) for x in vector[1 + 2 * k :]]
         draft = (tail[1], tail[2], tail[3], tail[4])
-        return cls(knots, rest, tail[0], draft, tail[5], int(tail[6]))
+        tree = (tail[7], tail[8]) if len(tail) >= 9 else (0.0, 0.0)
+        return cls(knots, rest, tail[0], draft, tail[5], int(tail[6]), tree)
 
 
 def vector_length(num_knots: int) -> int:
-    return 1 + 2 * num_knots + 1 + DRAFT_TERMS + 2
+    return 1 + 2 * num_knots + 1 + DRAFT_TERMS + 2 + TREE_TERMS
 
 
 def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> CostModel | None:
@@ -176,26 +193,36 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
     depth = torch.tensor([s.draft_depth for s in rows], dtype=torch.float64)
     rest = torch.tensor([s.rest_s for s in rows], dtype=torch.float64)
     draft = torch.tensor([s.draft_s for s in rows], dtype=torch.float64)
+    width = torch.tensor([s.width for s in rows], dtype=torch.float64)
 
     knots = torch.tensor(_knots_for(float(n.max())), dtype=torch.float64)
     k = knots.numel()
-    x_rest = torch.cat([_hat_basis(n, knots), batch.unsqueeze(1)], dim=1)
+    tree_cols = torch.stack([(width > 0).to(torch.float64), width], dim=1)
+    x_rest = torch.cat([_hat_basis(n, knots), batch.unsqueeze(1), tree_cols], dim=1)
     # Second differences of the knot values (in units of the typical step) tie unobserved knots to their neighbours;
     # the batch term gets a plain ridge, so that with B and N collinear (pure decode) the curve takes the cost.
-    diff = torch.zeros((max(0, k - 2), k + 1), dtype=torch.float64)
+    diff = torch.zeros((max(0, k - 2), k + 1 + TREE_TERMS), dtype=torch.float64)
     for i in range(k - 2):
         diff[i, i], diff[i, i + 1], diff[i, i + 2] = 1.0, -2.0, 1.0
     penalty = ridge * len(rows) * (diff.t() @ diff)
-    penalty[k, k] += 1e-6 * len(rows)
+    # The batch and tree terms get a plain ridge: with no tree step among the samples their columns are zero.
+    for col in range(k, k + 1 + TREE_TERMS):
+        penalty[col, col] += 1e-6 * len(rows)
     v = _robust_lstsq(x_rest, rest, penalty)
     curve = torch.cummax(v[:k].clamp(min=0.0), dim=0).values  # time never falls as the step grows
     per_request = max(0.0, float(v[k]))
+    tree = (max(0.0, float(v[k + 1])), max(0.0, float(v[k + 2])))
 
     x_draft = torch.stack([torch.ones_like(batch), batch, depth, depth * batch], dim=1)
     w = _robust_lstsq(x_draft, draft, 1e-9 * torch.eye(DRAFT_TERMS, dtype=torch.float64))
     terms = tuple(max(0.0, float(t)) for t in w)
 
-    predicted = _hat_basis(n, knots) @ curve + per_request * batch + x_draft @ torch.tensor(terms, dtype=torch.float64)
+    predicted = (
+        _hat_basis(n, knots) @ curve
+        + per_request * batch
+        + tree_cols @ torch.tensor(tree, dtype=torch.float64)
+        + x_draft @ torch.tensor(terms, dtype=torch.float64)
+    )
     observed = rest + draft
     error = float(((predicted - observed).abs() / observed.clamp(min=1e-12)).median())
     return CostModel(
@@ -205,4 +232,5 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
         (terms[0], terms[1], terms[2], terms[3]),
         error,
         len(rows),
+        tree,
     )

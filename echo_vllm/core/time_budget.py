@@ -130,6 +130,7 @@ class TimeAwareBudget:
             k_cap=plan.k_cap,
             surplus_tail=self.surplus_tail,
             k_min=batch if plan.probe else 0,
+            tree_terms=self.cost_model.tree_terms if self.cost_model is not None else (0.0, 0.0),
         )
         return auto.selection, auto.choice.predicted_accepted
 

@@ -399,6 +399,7 @@ class EchoTreeInputsPatch(EchoPatch):
                 # max_model_len) must not leave either to a later step.
                 drafter.tree_plans = {}
                 drafter.tree_head_rows = None
+                drafter.forward_fix_rows = 0
             if plans and scheduler_output.scheduled_spec_decode_tokens:
                 reason = _tree_step_refused(self, scheduler_output)
                 if reason is None:
@@ -441,6 +442,7 @@ def _publish_tree_batch(runner: Any, scheduled_spec: dict[str, list[int]], plans
         return
     rows = torch.from_numpy(batch.draft_rows).to(runner.device)
     runner.positions[rows] = torch.from_numpy(batch.tree_positions).to(runner.device, runner.positions.dtype)
+    runner.drafter.forward_fix_rows = batch.num_fix_rows
     tree_state.publish(batch)
 
 

@@ -124,6 +124,7 @@ class EchoProposer(EagleProposer):
         self.num_speculative_tokens = self.max_depth
         self.tree_plans: dict[str, TreePlan] = {}  # this step's trees, checked against the next step's schedule
         self.tree_head_rows: torch.Tensor | None = None  # set by the KV compaction: head inputs in path order
+        self.forward_fix_rows = 0  # tree rows (nodes off the spine) of this step's target forward, for the cost
         self._tree_step = False  # this step drafts trees (tree mode and the batch's sampling allows it)
         self._tree_fallback_logged = False
         self.tree_chain_fallbacks = 0  # steps that verified or drafted chains because of the batch's settings
@@ -443,7 +444,8 @@ class EchoProposer(EagleProposer):
             self._phase_seconds["rest"] += rest_s
             self._rest_timed_steps += 1
             if self.budget is not None:
-                self.budget.add_sample(StepSample(num_tokens, batch, depth, rest_s, draft_s), self.warming_up)
+                sample = StepSample(num_tokens, batch, depth, rest_s, draft_s, self.forward_fix_rows)
+                self.budget.add_sample(sample, self.warming_up)
         self._last_end = end
 
     def _no_drafts(self) -> list[list[int]]:
@@ -524,15 +526,20 @@ class EchoProposer(EagleProposer):
         each request's topology is kept in `tree_plans` for the next step (the scheduler sees only tokens)."""
         order = spine_first_order(selection, tree)
         width = order.tokens.shape[1]
-        # The one host sync of the step: counts, tokens and parents in one copy.
-        packed = torch.cat([order.counts.unsqueeze(1), order.tokens, order.parent_local], dim=1).tolist()
+        # The one host sync of the step: counts, nodes off the spine, tokens and parents in one copy.
+        off_spine = (order.counts - order.spine_len).sum().reshape(1, 1).expand(order.counts.shape[0], 1)
+        packed = torch.cat([order.counts.unsqueeze(1), off_spine, order.tokens, order.parent_local], dim=1).tolist()
         counts = [row[0] for row in packed]
-        ragged = [row[1 : 1 + c] for row, c in zip(packed, counts)]
-        parents = [row[1 + width : 1 + width + c] for row, c in zip(packed, counts)]
+        ragged = [row[2 : 2 + c] for row, c in zip(packed, counts)]
         node_depth = order.depth
         if self._adversary is not None:  # tests only: random trees around the head's chains
             ragged, parents, node_depth = self._adversarial_trees(tree, counts)
             counts = [len(r) for r in ragged]
+        elif not packed or packed[0][1] == 0:
+            # Every request got its spine prefix only: a chain step, which vLLM's own path verifies (no plans).
+            return counts, ragged, order.spine_len, node_depth
+        else:
+            parents = [row[2 + width : 2 + width + c] for row, c in zip(packed, counts)]
         self.tree_plans = {
             rid: TreePlan(tuple(ragged[i]), tuple(parents[i])) for i, rid in enumerate(req_ids) if counts[i]
         }

@@ -15,6 +15,7 @@ metadata, so every non-tree step behaves exactly as stock.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from vllm.v1.attention.backend import AttentionLayer, AttentionType
@@ -93,11 +94,6 @@ def _layout_for(kv_cache: torch.Tensor, isa: str | None) -> tuple[torch.Tensor, 
         # The builder's choice for this layer (CPUAttentionMetadataBuilder: model dtype = cache dtype unless fp8).
         isa = _get_attn_isa(kv_cache.dtype, block_size, head_size, "auto")
     return page_layout(isa, kv_cache.dtype, block_size, head_size)
-
-
-def _gather(pages: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """[n, Hkv, D] elements of the tokens (blocks[i], offsets[i]) from pages [nb, Hkv, page]."""
-    return pages[blocks.view(-1, 1), :, table[offsets]].permute(0, 2, 1)
 
 
 def echo_compact(
@@ -194,68 +190,104 @@ class EchoTreeCPUAttentionImpl(CPUAttentionBackendImpl):
                 f"tree batch of {batch.num_reqs} requests meets attention metadata of {num_reqs}: "
                 "the tree batch was not cleared after its target forward"
             )
-        isa = getattr(layer, "isa", None)
-        kmap, vmap = _layout_for(kv_cache, isa)
-        block_size = kv_cache.shape[2]
-        pages = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], -1)
+        plan = _fix_plan(batch, meta, kv_cache, getattr(layer, "isa", None))
         heads, kv_heads, group = self.num_heads, self.num_kv_heads, self.num_queries_per_kv
+        pages = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], -1)
         out = output.view(output.shape[0], heads, -1)  # callers pass [T, H, Dv] or [T, H * Dv]
         q_all = query.reshape(query.shape[0], heads, -1)
-
-        # Everything below is host-side bookkeeping: on CPU these tensors already live in host memory.
-        fix_rows = batch.fix_rows.cpu()
-        fix_req = batch.fix_req.cpu()
-        fix_bits = batch.fix_bits.cpu()
-        context = batch.context_len.cpu()
-        num_draft = batch.num_draft.cpu()
-        seq_lens = meta.seq_lens.cpu()
-        # All fix rows of all requests in one padded batch ([requests, rows, ...]): a handful of tensor ops per
-        # layer whatever the batch size, instead of a Python loop over requests.
-        reqs, counts = torch.unique_consecutive(fix_req, return_counts=True)
-        num_groups, num_fix = int(reqs.numel()), int(fix_rows.numel())
-        kv_len = context[reqs] + 1 + num_draft[reqs]
-        bad = torch.nonzero(kv_len != seq_lens[reqs]).flatten()
-        if bad.numel():
-            req = int(reqs[bad[0]])
-            raise RuntimeError(
-                f"tree request row {req}: context {int(context[req])} + root + {int(num_draft[req])} drafts != "
-                f"the scheduled sequence length {int(seq_lens[req])}"
-            )
-        longest = int(kv_len.max())
-        pos = torch.arange(longest)
-        in_seq = pos.unsqueeze(0) < kv_len.unsqueeze(1)  # [R, L]
-        safe = torch.where(in_seq, pos.unsqueeze(0), torch.zeros_like(pos).unsqueeze(0))
-        table = meta.block_table.cpu()
-        blocks = torch.gather(table[reqs].long(), 1, safe // block_size)
-        offsets = safe % block_size
-        keys = _gather(pages, blocks.reshape(-1), offsets.reshape(-1), kmap).float()
-        values = _gather(pages, blocks.reshape(-1), offsets.reshape(-1), vmap).float()
-        keys = keys.view(num_groups, longest, kv_heads, -1)  # [R, L, Hkv, D]
-        values = values.view(num_groups, longest, kv_heads, -1)
-
-        group_of = torch.repeat_interleave(torch.arange(num_groups), counts)  # [F] request group of each row
-        first = torch.cumsum(counts, 0) - counts
-        slot = torch.arange(num_fix) - first[group_of]  # [F] its place within the group
-        width = int(counts.max())
-        # Visible: the context and the root (logical 0..ctx), and the drafts whose bit the row carries.
-        ctx = context[fix_req].unsqueeze(1)
-        draft = (pos.unsqueeze(0) - ctx - 1).clamp(min=0)
-        visible = (pos.unsqueeze(0) <= ctx) | (((fix_bits.unsqueeze(1) >> draft) & 1) == 1)
-        visible &= in_seq[group_of]
-        mask = torch.zeros((num_groups, width, longest), dtype=torch.bool)
-        mask[group_of, slot] = visible
-        mask[:, :, 0] |= ~mask.any(dim=2)  # padding rows: one visible key keeps their softmax finite
-        q = q_all[fix_rows.to(q_all.device)].float().view(num_fix, kv_heads, group, -1)
-        q_pad = q.new_zeros((num_groups, width, kv_heads, group, q.shape[-1]))
-        q_pad[group_of, slot] = q
-
+        groups, width, longest = plan.mask.shape
+        # Advanced indices around a slice put their dims first: [R * L, D, Hkv] -> [R, L, Hkv, D].
+        keys = pages[plan.blocks, :, plan.k_offsets].transpose(1, 2).float().reshape(groups, longest, kv_heads, -1)
+        values = pages[plan.blocks, :, plan.v_offsets].transpose(1, 2).float().reshape(groups, longest, kv_heads, -1)
+        q = q_all[plan.rows].float().view(-1, kv_heads, group, q_all.shape[-1])
+        if plan.dense:  # every group has `width` rows in order: a reshape instead of a scatter
+            q_pad = q.view(groups, width, kv_heads, group, -1)
+        else:
+            q_pad = q.new_zeros((groups, width, kv_heads, group, q.shape[-1]))
+            q_pad[plan.group_of, plan.slot] = q
         logits = torch.einsum("rchgd,rlhd->rchgl", q_pad, keys) * self.scale
         if self.logits_soft_cap:
             logits = self.logits_soft_cap * torch.tanh(logits / self.logits_soft_cap)
-        logits = logits.masked_fill(~mask.view(num_groups, width, 1, 1, longest), float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        attn = torch.einsum("rchgl,rlhd->rchgd", probs, values)[group_of, slot].reshape(num_fix, heads, -1)
-        out[fix_rows.to(out.device)] = attn.to(out.dtype)
+        logits = logits.masked_fill(plan.hidden, float("-inf"))
+        attn = torch.einsum("rchgl,rlhd->rchgd", torch.softmax(logits, dim=-1), values)
+        attn = attn.reshape(groups * width, heads, -1) if plan.dense else attn[plan.group_of, plan.slot]
+        out[plan.rows] = attn.reshape(-1, heads, attn.shape[-1]).to(out.dtype)
+
+
+@dataclass(frozen=True)
+class _FixPlan:
+    """One step's fix-up indices, shared by every layer with the same cache geometry: all fix rows of all requests
+    as one padded batch [R requests, C rows, L keys], so a layer costs a handful of tensor ops whatever the batch."""
+
+    rows: torch.Tensor  # [F] flat query rows
+    blocks: torch.Tensor  # [R * L, 1] physical block of each key
+    k_offsets: torch.Tensor  # [R * L, D] element offsets of its K inside the (block, head) page
+    v_offsets: torch.Tensor  # [R * L, D]
+    mask: torch.Tensor  # [R, C, L] visible keys per padded row
+    hidden: torch.Tensor  # [R, C, 1, 1, L] ~mask, broadcast over heads
+    group_of: torch.Tensor  # [F] request group of each fix row
+    slot: torch.Tensor  # [F] its place within the group
+    dense: bool  # every group has C rows (no padding)
+
+
+def _fix_plan(
+    batch: tree_state.TreeBatch, meta: CPUAttentionMetadata, kv_cache: torch.Tensor, isa: str | None
+) -> _FixPlan:
+    kmap, vmap = _layout_for(kv_cache, isa)
+    block_size = kv_cache.shape[2]
+    key = (block_size, kmap.data_ptr(), vmap.data_ptr(), meta.block_table.data_ptr())
+    plan = batch.layer_plans.get(key)
+    if plan is None:
+        plan = batch.layer_plans[key] = _build_fix_plan(batch, meta, block_size, kmap, vmap)
+    return plan
+
+
+def _build_fix_plan(
+    batch: tree_state.TreeBatch, meta: CPUAttentionMetadata, block_size: int, kmap: torch.Tensor, vmap: torch.Tensor
+) -> _FixPlan:
+    # Host-side bookkeeping: on CPU these tensors already live in host memory.
+    fix_rows, fix_req, fix_bits = batch.fix_rows.cpu(), batch.fix_req.cpu(), batch.fix_bits.cpu()
+    context, num_draft, seq_lens = batch.context_len.cpu(), batch.num_draft.cpu(), meta.seq_lens.cpu()
+    reqs, counts = torch.unique_consecutive(fix_req, return_counts=True)
+    num_groups, num_fix = int(reqs.numel()), int(fix_rows.numel())
+    kv_len = context[reqs] + 1 + num_draft[reqs]
+    bad = torch.nonzero(kv_len != seq_lens[reqs]).flatten()
+    if bad.numel():
+        req = int(reqs[bad[0]])
+        raise RuntimeError(
+            f"tree request row {req}: context {int(context[req])} + root + {int(num_draft[req])} drafts != "
+            f"the scheduled sequence length {int(seq_lens[req])}"
+        )
+    longest = int(kv_len.max())
+    pos = torch.arange(longest)
+    in_seq = pos.unsqueeze(0) < kv_len.unsqueeze(1)  # [R, L]
+    safe = torch.where(in_seq, pos.unsqueeze(0), torch.zeros_like(pos).unsqueeze(0))
+    blocks = torch.gather(meta.block_table.cpu()[reqs].long(), 1, safe // block_size).reshape(-1, 1)
+    offsets = (safe % block_size).reshape(-1)
+
+    group_of = torch.repeat_interleave(torch.arange(num_groups), counts)
+    first = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(num_fix) - first[group_of]
+    width = int(counts.max())
+    # Visible: the context and the root (logical 0..ctx), and the drafts whose bit the row carries.
+    ctx = context[fix_req].unsqueeze(1)
+    draft = (pos.unsqueeze(0) - ctx - 1).clamp(min=0)
+    visible = (pos.unsqueeze(0) <= ctx) | (((fix_bits.unsqueeze(1) >> draft) & 1) == 1)
+    visible &= in_seq[group_of]
+    mask = torch.zeros((num_groups, width, longest), dtype=torch.bool)
+    mask[group_of, slot] = visible
+    mask[:, :, 0] |= ~mask.any(dim=2)  # padding rows: one visible key keeps their softmax finite
+    return _FixPlan(
+        rows=fix_rows,
+        blocks=blocks,
+        k_offsets=kmap[offsets],
+        v_offsets=vmap[offsets],
+        mask=mask,
+        hidden=~mask.view(num_groups, width, 1, 1, longest),
+        group_of=group_of,
+        slot=slot,
+        dense=bool((counts == width).all()),
+    )
 
 
 class EchoTreeCPUAttentionBackend(CPUAttentionBackend):

@@ -98,6 +98,8 @@ class TreeBatch:
     linear_positions: np.ndarray = field(repr=False)  # their linear positions (context + 1 + j), to restore
     accepted_local: torch.Tensor | None = None
     accepted_len: torch.Tensor | None = None
+    # Per-step work the attention backend shares across layers (index plans keyed by cache geometry).
+    layer_plans: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_reqs(self) -> int:

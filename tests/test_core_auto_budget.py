@@ -259,3 +259,26 @@ def test_acceptance_model_learns_rates_and_caps_children_by_parents():
     invalid = model.node_gain(_chains(torch.tensor([[float("-inf"), -0.1]])), 2)
     assert torch.equal(model.node_gain(_chains(torch.log(torch.tensor([[0.9, 1 / 3]]))), 2, chain=True), capped)
     assert torch.equal(invalid, torch.zeros(1, 2))
+
+
+def test_nodes_off_the_spine_get_their_own_acceptance():
+    """A sibling of the same path confidence as a spine node is accepted far less often: with the width model the
+    gain of the nodes off the spine is their own measured rate, capped by their parent's."""
+    from echo_vllm.core.tree_order import spine_sibling_tree
+
+    spine, width = AcceptanceModel(2, num_bins=4), AcceptanceModel(2, num_bins=4)
+    n = 400
+    spine.record(torch.full((n, 2), 0.9), torch.ones((n, 2), dtype=torch.bool), torch.ones((n, 2), dtype=torch.bool))
+    accepted = torch.zeros(n, dtype=torch.bool)
+    accepted[:40] = True  # siblings at depth 2 with confidence ~0.6: accepted 10 % of the time
+    width.record_nodes(torch.full((n,), 2), torch.full((n,), 0.6), accepted)
+    spine.refresh()
+    width.refresh()
+    # One request, depth 2, top_k 2: spine 0.95 -> 0.95; siblings 0.05 at depth 1 and 0.6 / 0.95 at depth 2.
+    logprobs = torch.log(torch.tensor([[[0.95, 0.05], [0.95, 0.6 / 0.95]]]))
+    tree = spine_sibling_tree(torch.tensor([[[1, 2], [3, 4]]]), logprobs)
+    shared = spine.node_gain(tree, 2)
+    own = spine.node_gain(tree, 2, width=width)
+    assert torch.equal(own[0, tree.spine[0]], shared[0, tree.spine[0]])  # spine nodes unchanged
+    assert own[0, 3] == pytest.approx(0.1, abs=0.03) and shared[0, 3] > 0.5  # the depth-2 sibling
+    width.record_nodes(torch.empty(0, dtype=torch.long), torch.empty(0), torch.empty(0, dtype=torch.bool))  # no-op

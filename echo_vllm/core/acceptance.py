@@ -62,6 +62,17 @@ class AcceptanceModel:
         self.seen.view(-1).index_add_(0, flat, keep)
         self.accepted.view(-1).index_add_(0, flat, hit)
 
+    def record_nodes(self, depth: torch.Tensor, confidence: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Add one sample per verified node: its depth [M] (1-based), its own path confidence [M] and whether the
+        accepted path went through it [M] (trees: the nodes off the spine, whose acceptance is not their depth's)."""
+        if depth.numel() == 0:
+            return
+        row = (depth.long() - 1).clamp(0, self.max_depth - 1)
+        flat = (row * self.num_bins + self._bins(confidence)).reshape(-1).to(self.device)
+        hit = accepted.reshape(-1).to(self.device, torch.float64)
+        self.seen.view(-1).index_add_(0, flat, torch.ones_like(hit))
+        self.accepted.view(-1).index_add_(0, flat, hit)
+
     def refresh(self) -> None:
         """Recompute the table: each (depth, bin) shrinks towards the bin's rate pooled over all depths, which
         shrinks towards the bin's confidence. A path's confidence already carries its depth, so the pooled rate is
@@ -71,17 +82,25 @@ class AcceptanceModel:
         pooled = (self.accepted.sum(dim=0) + m * self.centres) / (self.seen.sum(dim=0) + m)
         self.table = ((self.accepted + m * pooled) / (self.seen + m)).to(torch.float32)
 
-    def node_gain(self, tree: Any, max_depth: int, chain: bool = False) -> torch.Tensor:
+    def node_gain(
+        self, tree: Any, max_depth: int, chain: bool = False, width: AcceptanceModel | None = None
+    ) -> torch.Tensor:
         """[B, N] probability that each node of `tree` (a DraftTree) is accepted: the table at the node's depth and
         its own path confidence exp(score), capped by its parent's (a path is never accepted more often than its
         prefix); 0 for invalid nodes. Parents precede children (depth-major rows), so D - 1 passes settle the caps
-        (`chain`: one cumulative minimum). `max_depth` comes from the caller, which knows it (no host sync)."""
+        (`chain`: one cumulative minimum). `max_depth` comes from the caller, which knows it (no host sync).
+        `width`: the model of the nodes off the spine (a sibling is accepted far less often than a spine node of
+        the same confidence would be: the spine takes the likely token), used for those nodes."""
         scores, depth = tree.scores, tree.depth.long()
         usable = tree.valid & ~torch.isnan(scores)
         conf = torch.exp(torch.where(usable, scores.float(), torch.full_like(scores.float(), float("-inf"))))
         table = self.table.to(scores.device)
         row = (depth - 1).clamp(0, self.max_depth - 1)
-        p = torch.where(usable, table[row, self._bins(conf)], torch.zeros_like(conf))
+        bins = self._bins(conf)
+        p = table[row, bins]
+        if width is not None:
+            p = torch.where(tree.spine, p, width.table.to(scores.device)[row, bins])
+        p = torch.where(usable, p, torch.zeros_like(conf))
         if chain:  # one node per depth, depth-major: the parent is the node to the left
             return torch.cummin(p, dim=1).values
         parent = tree.parent.long()

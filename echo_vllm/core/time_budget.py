@@ -63,6 +63,9 @@ class TimeAwareBudget:
         self.share = share
         self.controller = DraftController(max_depth, probe_interval=probe_interval)
         self.acceptance = AcceptanceModel(max_depth, device=device)
+        # Trees: the nodes off the spine, learned online from the tree steps (not saved: the prior is the node's own
+        # path confidence, which a few hundred verified siblings correct).
+        self.width_acceptance = AcceptanceModel(max_depth, device=device)
         self.cost_model: CostModel | None = None
         self.samples = StepSamples()
         self.source = "none"
@@ -123,7 +126,7 @@ class TimeAwareBudget:
         auto = select_auto(
             tree,
             gates,
-            self.acceptance.node_gain(tree, depth, chain),
+            self.acceptance.node_gain(tree, depth, chain, None if chain else self.width_acceptance),
             rest_s,
             draft_s,
             base_tokens=float(batch),
@@ -181,6 +184,7 @@ class TimeAwareBudget:
         """A measured step; a step much slower than predicted waited for work and is dropped."""
         if self.cost_model is not None:
             predicted = float(self.cost_model.rest_seconds(torch.tensor([float(sample.num_tokens)]), sample.batch)[0])
+            predicted += float(self.cost_model.tree_seconds(torch.tensor(float(sample.width))))
             if sample.rest_s > IDLE_FACTOR * max(predicted, 1e-6):
                 return
         profiling = self.phase(warming_up) != "auto" and len(self.samples.profile) < MAX_PROFILE_SAMPLES
@@ -197,6 +201,7 @@ class TimeAwareBudget:
             vector[: len(packed)] = packed
         shared = self.share(vector)
         self.acceptance.refresh()
+        self.width_acceptance.refresh()
         if shared[0] == 0:  # rank 0 had too few samples: keep what there is
             return
         self.cost_model = CostModel.from_vector(shared)

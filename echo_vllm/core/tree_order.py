@@ -23,6 +23,7 @@ class SpineFirstOrder(NamedTuple):
     depth: torch.Tensor  # [B, N] int64 (0 padding)
     counts: torch.Tensor  # [B] int64 selected nodes per request
     spine_len: torch.Tensor  # [B] int64 selected spine nodes per request (= the rows before the first non-spine)
+    scores: torch.Tensor  # [B, N] float32 path log-probs of the listed nodes (-inf padding)
 
 
 def spine_first_order(selection: BudgetSelection, tree: DraftTree) -> SpineFirstOrder:
@@ -47,6 +48,7 @@ def spine_first_order(selection: BudgetSelection, tree: DraftTree) -> SpineFirst
         depth=torch.where(real, torch.gather(tree.depth.to(torch.int64), 1, order), zero),
         counts=real.sum(dim=1),
         spine_len=(selected & tree.spine).sum(dim=1),
+        scores=torch.where(real, torch.gather(tree.scores, 1, order), torch.full_like(tree.scores, float("-inf"))),
     )
 
 

@@ -399,6 +399,7 @@ class EchoTreeInputsPatch(EchoPatch):
                 # max_model_len) must not leave either to a later step.
                 drafter.tree_plans = {}
                 drafter.tree_head_rows = None
+                drafter.tree_accepted = None
                 drafter.forward_fix_rows = 0
             if plans and scheduler_output.scheduled_spec_decode_tokens:
                 reason = _tree_step_refused(self, scheduler_output)
@@ -482,6 +483,7 @@ def _compact_tree_step(runner: Any, batch: Any, num_tokens: int) -> None:
     rows = torch.from_numpy(batch.draft_rows).to(device)
     runner.positions[rows] = torch.from_numpy(batch.linear_positions).to(device, runner.positions.dtype)
     src, dst = tree_state.compaction_rows(batch)
+    runner.drafter.tree_accepted = batch.accepted_local  # per batch row: which nodes the paths went through
     head_rows = torch.arange(num_tokens, device=device)
     moved = int(src.numel())
     runner.drafter.tree_leaf_accepts += moved

@@ -49,7 +49,7 @@ from echo_vllm.core.gating import Gates, depth_confidence
 from echo_vllm.core.metrics import EchoMetrics
 from echo_vllm.core.time_budget import TimeAwareBudget
 from echo_vllm.core.tree import DraftTree, topk_stable
-from echo_vllm.core.tree_order import spine_first_order, spine_sibling_tree
+from echo_vllm.core.tree_order import SpineFirstOrder, spine_first_order, spine_sibling_tree
 from echo_vllm.ops import select_budget
 from echo_vllm.vllm import instance_attrs, prom_metrics
 from echo_vllm.vllm import spec as echo_spec
@@ -97,8 +97,7 @@ class PendingVerification:
     confidence: torch.Tensor
     predicted: bool = False  # the time-aware budget predicted this selection's accepted drafts
     drafted_depth: int = 0  # how deep the step drafted (the depth plan's hindsight)
-    spine_len: torch.Tensor | None = None  # [B] selected spine nodes per request (trees; None: chains)
-    node_depth: torch.Tensor | None = None  # [B, N] depth of each listed draft, spine first (trees; None: chains)
+    listed: SpineFirstOrder | None = None  # trees: the drafts as listed (spine first); None: chains
 
 
 class EchoProposer(EagleProposer):
@@ -125,6 +124,7 @@ class EchoProposer(EagleProposer):
         self.tree_plans: dict[str, TreePlan] = {}  # this step's trees, checked against the next step's schedule
         self.tree_head_rows: torch.Tensor | None = None  # set by the KV compaction: head inputs in path order
         self.forward_fix_rows = 0  # tree rows (nodes off the spine) of this step's target forward, for the cost
+        self.tree_accepted: torch.Tensor | None = None  # the tree sampler's accepted positions, for the feedback
         self._tree_step = False  # this step drafts trees (tree mode and the batch's sampling allows it)
         self._tree_fallback_logged = False
         self.tree_chain_fallbacks = 0  # steps that verified or drafted chains because of the batch's settings
@@ -484,9 +484,9 @@ class EchoProposer(EagleProposer):
             selection = self._capped_selection(tree, gates, cap)
 
         req_ids = list(self._runner.input_batch.req_ids[:batch]) if self._runner is not None else []
-        spine_len = verified_depths = None
+        listed = None
         if self._tree_step:
-            counts, ragged, spine_len, verified_depths = self._emit_trees(selection, tree, req_ids)
+            counts, ragged, listed = self._emit_trees(selection, tree, req_ids)
         else:
             # The one host sync of the step: the ragged drafts must reach the scheduler as Python lists.
             counts = selection.counts.tolist()
@@ -499,8 +499,7 @@ class EchoProposer(EagleProposer):
             padded,
             predicted is not None,
             depth,
-            spine_len,
-            verified_depths,
+            listed,
         )
         step_sum = sum(counts)
         if self.k_max is not None and step_sum > self.k_max:  # select_budget guarantees this; never silent
@@ -521,9 +520,9 @@ class EchoProposer(EagleProposer):
 
     def _emit_trees(
         self, selection: BudgetSelection, tree: DraftTree, req_ids: list[str]
-    ) -> tuple[list[int], list[list[int]], torch.Tensor, torch.Tensor]:
-        """The selection in spine-first order: (counts, ragged drafts, spine lengths, depths of the listed nodes);
-        each request's topology is kept in `tree_plans` for the next step (the scheduler sees only tokens)."""
+    ) -> tuple[list[int], list[list[int]], SpineFirstOrder]:
+        """The selection in spine-first order: (counts, ragged drafts, the listing); each request's topology is
+        kept in `tree_plans` for the next step (the scheduler sees only tokens)."""
         order = spine_first_order(selection, tree)
         width = order.tokens.shape[1]
         # The one host sync of the step: counts, nodes off the spine, tokens and parents in one copy.
@@ -531,19 +530,20 @@ class EchoProposer(EagleProposer):
         packed = torch.cat([order.counts.unsqueeze(1), off_spine, order.tokens, order.parent_local], dim=1).tolist()
         counts = [row[0] for row in packed]
         ragged = [row[2 : 2 + c] for row, c in zip(packed, counts)]
-        node_depth = order.depth
         if self._adversary is not None:  # tests only: random trees around the head's chains
             ragged, parents, node_depth = self._adversarial_trees(tree, counts)
             counts = [len(r) for r in ragged]
+            blank = torch.full(node_depth.shape, float("-inf"), device=node_depth.device)
+            order = order._replace(depth=node_depth, scores=blank, spine_len=torch.zeros_like(order.spine_len))
         elif not packed or packed[0][1] == 0:
             # Every request got its spine prefix only: a chain step, which vLLM's own path verifies (no plans).
-            return counts, ragged, order.spine_len, node_depth
+            return counts, ragged, order
         else:
             parents = [row[2 + width : 2 + width + c] for row, c in zip(packed, counts)]
         self.tree_plans = {
             rid: TreePlan(tuple(ragged[i]), tuple(parents[i])) for i, rid in enumerate(req_ids) if counts[i]
         }
-        return counts, ragged, order.spine_len, node_depth
+        return counts, ragged, order
 
     def _adversarial_trees(
         self, tree: DraftTree, counts: list[int]
@@ -638,8 +638,9 @@ class EchoProposer(EagleProposer):
         accepted = (emitted - 1).clamp(min=0)
         d = self.max_depth
         depths = torch.arange(d, device=device).unsqueeze(0)
-        if pending.node_depth is not None:  # trees: the scheduled prefix of each request's spine-first list
-            listed = pending.node_depth[old]
+        tree_accepted, self.tree_accepted = self.tree_accepted, None
+        if pending.listed is not None:  # trees: the scheduled prefix of each request's spine-first list
+            listed = pending.listed.depth[old]
             columns = torch.arange(listed.shape[1], device=device).unsqueeze(0)
             node_depths = torch.where(columns < verified.unsqueeze(1), listed, torch.zeros_like(listed))
             verified_depth = node_depths.amax(dim=1) if listed.shape[1] else torch.zeros_like(verified)
@@ -653,13 +654,47 @@ class EchoProposer(EagleProposer):
             self._last_accepted = accepted.tolist()  # debug log only: a host sync
         mask = depths < accepted.unsqueeze(1)
         if self.budget is not None:
-            self.budget.acceptance.record(confidence[old], mask, depths < verified_depth.unsqueeze(1))
+            if pending.listed is not None and tree_accepted is not None:
+                self._record_tree_acceptance(pending.listed, confidence[old], old, cur, verified, tree_accepted)
+            else:
+                self.budget.acceptance.record(confidence[old], mask, depths < verified_depth.unsqueeze(1))
             self.budget.observe_verification(accepted, node_depths, len(index_of), pending.drafted_depth)
         if self.calibration is None and self.echo_settings.warmup_steps > 0:
             self.recorder.record(confidence[old], mask, verified_depth)
             self.warmup_recorded += 1
             if self.warmup_recorded >= self.echo_settings.warmup_steps:
                 self._finish_warmup()
+
+    def _record_tree_acceptance(
+        self,
+        listed: SpineFirstOrder,
+        confidence: torch.Tensor,
+        old: torch.Tensor,
+        cur: torch.Tensor,
+        verified: torch.Tensor,
+        tree_accepted: Any,
+    ) -> None:
+        """A verified tree step, node by node: the spine node of depth d was accepted iff the accepted path's
+        depth-d node sits at its place (position d - 1, spine first); every verified node off the spine goes to the
+        width model with its own path confidence and whether the path went through it."""
+        assert self.budget is not None
+        accepted_local = tree_accepted[cur].to(listed.depth.device)  # [R, Dmax] draft position per depth, -1 past it
+        width = listed.depth.shape[1]
+        positions = torch.arange(width, device=listed.depth.device)
+        on_path = (accepted_local.unsqueeze(2) == positions.view(1, 1, -1)).any(dim=1)  # [R, N]
+        in_list = positions.unsqueeze(0) < verified.unsqueeze(1)
+        spine_len = listed.spine_len[old]
+        d = self.max_depth
+        depths = torch.arange(d, device=listed.depth.device).unsqueeze(0)
+        spine_cols = depths.clamp(max=max(width - 1, 0)).expand(on_path.shape[0], d)
+        spine_ok = torch.gather(on_path, 1, spine_cols) & (depths < spine_len.unsqueeze(1))
+        spine_verified = depths < torch.minimum(spine_len, verified).unsqueeze(1)
+        # confidence [R, D]: the depth confidences, i.e. the spine nodes' own (the spine is each depth's best path).
+        self.budget.acceptance.record(confidence, spine_ok, spine_verified)
+        off_spine = in_list & (positions.unsqueeze(0) >= spine_len.unsqueeze(1))
+        self.budget.width_acceptance.record_nodes(
+            listed.depth[old][off_spine], torch.exp(listed.scores[old][off_spine]), on_path[off_spine]
+        )
 
     def _finish_warmup(self) -> None:
         s = self.echo_settings

@@ -67,7 +67,10 @@ def test_auto_greedy_identical_through_every_phase(prompts, tmp_path, max_num_se
         assert s["k_max"] == "auto" and s["sum"] <= s["k_cap"] <= s["batch"] * DEPTH * top_k
         assert 0 <= s["drafted_depth"] <= s["draft_depth"] <= DEPTH  # the early exit may stop sooner
         assert all(c <= s["drafted_depth"] * top_k for c in s["counts"]) and len(s["accepted"]) <= s["batch"]
-        assert s["tree_step"] == (top_k > 1)
+        assert not s["tree_step"] or top_k > 1
+    # Trees are drafted in the profile (to price them) and whenever the budget buys siblings; never in warm-up.
+    assert not any(s["tree_step"] for s in steps if s["phase"] == "warmup")
+    assert any(s["tree_step"] for s in steps if s["phase"] == "profile") == (top_k > 1)
     profile_depths = {s["draft_depth"] for s in steps if s["phase"] == "profile"}
     assert len(profile_depths) > 1, "the profile did not sweep draft depths"
     assert any("ECHO budget" in line or "budget=auto" in line for line in echo["echo_log"])

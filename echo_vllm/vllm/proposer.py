@@ -72,6 +72,9 @@ STEP_LOG_ENV = "ECHO_VLLM_STEP_LOG"
 LOG_INTERVAL_ENV = "ECHO_VLLM_LOG_INTERVAL"  # seconds between periodic ECHO log lines (default 10)
 
 
+WIDTH_PATIENCE = 8  # tree steps in a row without a sibling bought before siblings are drafted at probes only
+
+
 class _DraftingDone(Exception):
     """Raised from `_sample_draft_tokens` to leave vLLM's draft loop early (caught in `propose`)."""
 
@@ -125,6 +128,8 @@ class EchoProposer(EagleProposer):
         self.tree_head_rows: torch.Tensor | None = None  # set by the KV compaction: head inputs in path order
         self.forward_fix_rows = 0  # tree rows (nodes off the spine) of this step's target forward, for the cost
         self.tree_accepted: torch.Tensor | None = None  # the tree sampler's accepted positions, for the feedback
+        self._steps_without_width = 0  # tree-drafting steps in a row whose budget bought no sibling
+        self._tree_clock = 0
         self._tree_step = False  # this step drafts trees (tree mode and the batch's sampling allows it)
         self._tree_fallback_logged = False
         self.tree_chain_fallbacks = 0  # steps that verified or drafted chains because of the batch's settings
@@ -313,7 +318,9 @@ class EchoProposer(EagleProposer):
             self._use_tree_head_rows(kwargs)
             self.faults.maybe_inject("draft")
             batch = self._runner.input_batch.num_reqs if self._runner is not None else 0
-            self._tree_step = self.tree_mode and self._trees_allowed(kwargs.get("sampling_metadata"))
+            self._tree_step = (
+                self.tree_mode and self._trees_allowed(kwargs.get("sampling_metadata")) and self._trees_worth_drafting()
+            )
             target = kwargs.get("target_token_ids")  # tokens of this step's target forward (the runner's keyword)
             self._step_tokens = int(target.shape[0]) if isinstance(target, torch.Tensor) else batch
             if self._last_end is not None:
@@ -381,6 +388,20 @@ class EchoProposer(EagleProposer):
         if reason is not None:
             self.note_chain_fallback(reason)
         return reason is None
+
+    def _trees_worth_drafting(self) -> bool:
+        """Whether to draft this step's siblings. Warm-up selects spines only (the gates calibrate on them) and the
+        profile must see tree steps to price them; after that, once WIDTH_PATIENCE tree steps in a row bought no
+        sibling, drafting them is pure overhead: chains, with a tree step every `probe_interval` steps to look
+        again (the budget decides from fresh candidates and the refitted costs)."""
+        phase = self.phase
+        if phase == "warmup":
+            return False
+        if phase == "profile":
+            return True
+        self._tree_clock += 1
+        probe = self._tree_clock % max(1, self.echo_settings.probe_interval) == 0
+        return self._steps_without_width < WIDTH_PATIENCE or probe
 
     def _batch_has_structured_output(self) -> bool:
         runner = self._runner
@@ -537,9 +558,11 @@ class EchoProposer(EagleProposer):
             order = order._replace(depth=node_depth, scores=blank, spine_len=torch.zeros_like(order.spine_len))
         elif not packed or packed[0][1] == 0:
             # Every request got its spine prefix only: a chain step, which vLLM's own path verifies (no plans).
+            self._steps_without_width += 1
             return counts, ragged, order
         else:
             parents = [row[2 + width : 2 + width + c] for row, c in zip(packed, counts)]
+            self._steps_without_width = 0
         self.tree_plans = {
             rid: TreePlan(tuple(ragged[i]), tuple(parents[i])) for i, rid in enumerate(req_ids) if counts[i]
         }

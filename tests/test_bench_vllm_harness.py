@@ -319,7 +319,7 @@ def test_contract_flags_parse():
     assert args.eagle3_depths == [1, 2, 3, 4] and args.rounds == 5
     default = build_parser().parse_args(["bench", "vllm"])
     assert default.batch_sizes == [1, 4, 8, 16, 32, 64] and default.rounds >= 3
-    assert default.methods == "nospec,eagle3,echo,echo-auto" and default.eagle3_depths == [1, 2, 3, 4]
+    assert default.methods == "nospec,eagle3,echo,echo-auto,echo-tree" and default.eagle3_depths == [1, 2, 3, 4]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "vllm", "--eagle3-depths", "1,x"])
 

@@ -27,17 +27,18 @@ if TYPE_CHECKING:
     from echo_vllm.bench.vllm_run import BenchPlan
 
 BENCH_DEFAULTS = {
-    "methods": "nospec,eagle3,echo,echo-auto",
+    "methods": "nospec,eagle3,echo,echo-auto,echo-tree",
     "eagle3_depths": "1,2,3,4",
     "batch_sizes": "1,4,8,16,32,64",
     "rounds": 3,
     "limit": 64,
     "max_tokens": 64,
 }
-# `make demo`: ECHO auto and ECHO with a fixed K_max (the better of the two on this testbed depends on the batch
-# size: both are shown) beside no-spec and EAGLE-3 at two depths, sized for ~5 minutes on 2 CPU cores.
+# `make demo`: ECHO as configured by default (echo-tree: k_max auto, top_k 4), the same with chains (echo-auto)
+# and with a fixed K_max (the best of the three on this testbed depends on the batch size: all are shown) beside
+# no-spec and EAGLE-3 at two depths, sized for ~6 minutes on 2 CPU cores.
 DEMO_DEFAULTS = {
-    "methods": "nospec,eagle3,echo,echo-auto",
+    "methods": "nospec,eagle3,echo,echo-auto,echo-tree",
     "eagle3_depths": "1,2",
     "batch_sizes": "1,8",
     "rounds": 3,

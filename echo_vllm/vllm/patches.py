@@ -282,7 +282,7 @@ class EchoDrafterPatch(EchoPatch):
             from echo_vllm.vllm.proposer import EchoProposer
 
             CpuExpandKernelOverride.activate()  # before the runner builds its samplers
-            trees = bool(echo_spec.echo_payload(vllm_config).get("tree", False))
+            trees = bool((echo_spec.echo_payload(vllm_config) or {}).get("tree", False))
             if trees:
                 # Before the original: its attention layers look their backend up while they are built.
                 if _running_on_cuda():
@@ -391,7 +391,7 @@ class EchoTreeInputsPatch(EchoPatch):
 
             tree_state.clear()  # a batch left by a step that raised must never reach this one
             result = original(self, scheduler_output, num_scheduled_tokens)
-            drafter = getattr(self, "drafter", None)
+            drafter: Any = getattr(self, "drafter", None)
             plans = getattr(drafter, "tree_plans", None)
             if plans is not None:
                 # Plans are for the step right after the one that drafted them, and head rows for the proposer of

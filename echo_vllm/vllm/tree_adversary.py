@@ -32,7 +32,8 @@ def adversarial_tree(
     for j, p in enumerate(parent):
         children.setdefault(p, []).append(j)
     # The chain goes down a random path from the root.
-    path, node = [], -1
+    path: list[int] = []
+    node = -1
     while children.get(node) and len(path) < len(chain):
         node = rng.choice(children[node])
         path.append(node)
@@ -51,7 +52,8 @@ def adversarial_tree(
             used.add(token)
             tokens[j] = token
     # Spine-first relisting: the chain of first children from the root, then everyone else in index order.
-    spine, node = [], -1
+    spine: list[int] = []
+    node = -1
     while children.get(node):
         node = children[node][0]
         spine.append(node)

@@ -308,7 +308,7 @@ def tree_fix_rows(
 class EchoTreeFlashAttentionImpl(FlashAttentionImpl):
     """FlashAttentionImpl whose forward, on a tree step, recomputes the fix rows with the tree mask."""
 
-    def forward(  # type: ignore[override]
+    def forward(
         self,
         layer: torch.nn.Module,
         query: torch.Tensor,

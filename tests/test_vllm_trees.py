@@ -147,3 +147,18 @@ def test_settings_trees_cannot_honour_fall_back_to_chains(prompts, tmp_path):
     stats = result["echo_stats"]
     assert stats["tree_chain_fallbacks"] > 0 and stats["tree_moved"] == 0
     assert not any(s["tree_step"] for s in steps)
+
+
+def test_structured_output_verifies_chains(prompts, tmp_path):
+    """A grammar masks the logits by chain position: batches with structured output draft and verify chains."""
+    root = shipped_testbed()
+    regex = "[a-z ]{8,40}"
+    job = {"model": str(root / "target"), "prompts": prompts[:4], "max_tokens": MAX_TOKENS, "max_num_seqs": 4}
+    plain = run_in_subprocess({**job, "structured_regex": regex})
+    echo = {"k_max": 64, "top_k": 4, "warmup_steps": 4, "min_samples_per_class": 2}
+    result, steps = _echo(prompts[:4], tmp_path, 4, echo, structured_regex=regex)
+    assert not _mismatches(plain["token_ids"], result["token_ids"])
+    assert result["spec"]["num_drafts"] > 0
+    stats = result["echo_stats"]
+    assert stats["tree_chain_fallbacks"] > 0 and stats["tree_moved"] == 0
+    assert not any(s["tree_step"] for s in steps)

@@ -134,6 +134,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         seed=job.get("sampling_seed", job.get("seed", 0)) if job.get("temperature", 0.0) > 0 else None,
         ignore_eos=job.get("ignore_eos", False),
         presence_penalty=job.get("presence_penalty", 0.0),
+        structured_outputs=_structured(job),
     )
     # "echo_stats": true asks an echo job for the proposer's statistics (an rpc into the worker, so opt-in).
     echo_stats_wanted = bool(job.get("echo_stats")) and (job.get("speculative_config") or {}).get("method") == "echo"
@@ -175,6 +176,15 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             "accepted_per_draft_token": (accepted / draft_tokens) if draft_tokens else None,
         },
     }
+
+
+def _structured(job: dict[str, Any]) -> Any:
+    """`"structured_regex": "..."` constrains every request's output to the regex (grammar-guided decoding)."""
+    if not job.get("structured_regex"):
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(regex=job["structured_regex"])
 
 
 def _prompts(job: dict[str, Any], ids_key: str, text_key: str) -> list[Any]:

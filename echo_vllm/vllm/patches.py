@@ -401,6 +401,10 @@ class EchoTreeInputsPatch(EchoPatch):
                 drafter.tree_head_rows = None
                 drafter.tree_accepted = None
                 drafter.forward_fix_rows = 0
+                # The proposer of this step drafts for this batch: a grammar anywhere in it means chains.
+                drafter.batch_has_structured_output = bool(
+                    getattr(scheduler_output, "has_structured_output_requests", False)
+                )
             if plans and scheduler_output.scheduled_spec_decode_tokens:
                 reason = _tree_step_refused(self, scheduler_output)
                 if reason is None:

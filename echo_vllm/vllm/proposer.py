@@ -127,6 +127,7 @@ class EchoProposer(EagleProposer):
         self.tree_plans: dict[str, TreePlan] = {}  # this step's trees, checked against the next step's schedule
         self.tree_head_rows: torch.Tensor | None = None  # set by the KV compaction: head inputs in path order
         self.forward_fix_rows = 0  # tree rows (nodes off the spine) of this step's target forward, for the cost
+        self.batch_has_structured_output = False  # this step's scheduled batch (EchoTreeInputsPatch sets it)
         self.tree_accepted: torch.Tensor | None = None  # the tree sampler's accepted positions, for the feedback
         self._steps_without_width = 0  # tree-drafting steps in a row whose budget bought no sibling
         self._tree_clock = 0
@@ -383,7 +384,7 @@ class EchoProposer(EagleProposer):
         from echo_vllm.vllm.tree_sampler import tree_ineligible_reason
 
         reason = tree_ineligible_reason(sampling_metadata) if sampling_metadata is not None else None
-        if reason is None and self._batch_has_structured_output():
+        if reason is None and self.batch_has_structured_output:
             reason = "structured output (the grammar masks logits by chain position)"
         if reason is not None:
             self.note_chain_fallback(reason)
@@ -402,17 +403,6 @@ class EchoProposer(EagleProposer):
         self._tree_clock += 1
         probe = self._tree_clock % max(1, self.echo_settings.probe_interval) == 0
         return self._steps_without_width < WIDTH_PATIENCE or probe
-
-    def _batch_has_structured_output(self) -> bool:
-        runner = self._runner
-        if runner is None:
-            return False
-        requests = getattr(runner, "requests", {})
-        for rid in runner.input_batch.req_ids[: runner.input_batch.num_reqs]:
-            params = getattr(requests.get(rid), "sampling_params", None)
-            if getattr(params, "structured_outputs", None) is not None:
-                return True
-        return False
 
     def note_plan_mismatch(self, count: int) -> None:
         """`count` requests' scheduled drafts were not their plans' (vLLM replaced them): verified as chains."""

@@ -25,9 +25,10 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadata,
     _get_attn_isa,
 )
-from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
 from echo_vllm.vllm import tree_state
+from echo_vllm.vllm.backend_override import BackendOverride
 
 BACKEND_PATH = f"{__name__}.EchoTreeCPUAttentionBackend"
 _DIGIT = 16  # probe codes stay small integers, exact in fp16 and bf16
@@ -298,43 +299,14 @@ class EchoTreeCPUAttentionBackend(CPUAttentionBackend):
         return EchoTreeCPUAttentionImpl
 
 
-_UNSET = object()
-_saved_override: object = _UNSET  # CPU_ATTN's override before ours (None: it had none)
-
-
-def _clear_selector_cache() -> None:
-    # get_attn_backend memoises the resolved class; without this, layers built later keep the stock backend.
-    from vllm.v1.attention.selector import _cached_get_attn_backend
-
-    _cached_get_attn_backend.cache_clear()
-
-
-def _ours(member: AttentionBackendEnum) -> bool:
-    return member.is_overridden() and member.get_path() == BACKEND_PATH
+_OVERRIDE = BackendOverride(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
 
 
 def register_cpu_tree_backend() -> str:
-    """Make CPU_ATTN resolve to EchoTreeCPUAttentionBackend (vLLM resolves the path lazily, when layers pick their
-    backend); idempotent. Returns the class path."""
-    global _saved_override
-    member = AttentionBackendEnum.CPU_ATTN
-    if not _ours(member):
-        _saved_override = member.get_path() if member.is_overridden() else None
-        register_backend(member, BACKEND_PATH)
-    _clear_selector_cache()
-    return BACKEND_PATH
+    """Make CPU_ATTN resolve to EchoTreeCPUAttentionBackend; idempotent. Returns the class path."""
+    return _OVERRIDE.register()
 
 
 def unregister_cpu_tree_backend() -> None:
-    """Undo register_cpu_tree_backend: CPU_ATTN resolves to what it did before (vLLM's own class unless someone
-    else had overridden it); a no-op when ours is not registered."""
-    global _saved_override
-    member = AttentionBackendEnum.CPU_ATTN
-    if not _ours(member):
-        return
-    previous, _saved_override = _saved_override, _UNSET
-    if isinstance(previous, str):
-        register_backend(member, previous)
-    else:
-        member.clear_override()
-    _clear_selector_cache()
+    """Undo register_cpu_tree_backend (CPU_ATTN resolves to what it did before)."""
+    _OVERRIDE.unregister()

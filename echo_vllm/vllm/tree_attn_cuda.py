@@ -54,9 +54,10 @@ import torch
 from vllm.utils.torch_utils import canonicalize_singleton_dim_strides, is_quantized_kv_cache
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
-from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
 from echo_vllm.vllm import tree_state
+from echo_vllm.vllm.backend_override import BackendOverride
 
 BACKEND_PATH = f"{__name__}.EchoTreeFlashAttentionBackend"
 
@@ -451,47 +452,18 @@ class EchoTreeFlashAttentionBackend(FlashAttentionBackend):
 
 # --- selection ------------------------------------------------------------------------------------------------
 
-_UNSET = object()
-_saved_override: object = _UNSET  # FLASH_ATTN's override before ours (None: it had none)
-
-
-def _clear_selector_cache() -> None:
-    # get_attn_backend memoises the resolved class; without this, layers built later keep the stock backend.
-    from vllm.v1.attention.selector import _cached_get_attn_backend
-
-    _cached_get_attn_backend.cache_clear()
-
-
-def _ours(member: AttentionBackendEnum) -> bool:
-    return member.is_overridden() and member.get_path() == BACKEND_PATH
+_OVERRIDE = BackendOverride(AttentionBackendEnum.FLASH_ATTN, BACKEND_PATH)
 
 
 def register_cuda_tree_backend() -> str:
-    """Make FLASH_ATTN resolve to EchoTreeFlashAttentionBackend (vLLM resolves the path lazily, when layers pick
-    their backend); idempotent. Returns the class path. The engine must also select FLASH_ATTN
-    (`required_attention_backend`)."""
-    global _saved_override
-    member = AttentionBackendEnum.FLASH_ATTN
-    if not _ours(member):
-        _saved_override = member.get_path() if member.is_overridden() else None
-        register_backend(member, BACKEND_PATH)
-    _clear_selector_cache()
-    return BACKEND_PATH
+    """Make FLASH_ATTN resolve to EchoTreeFlashAttentionBackend; idempotent. Returns the class path. The engine must
+    also select FLASH_ATTN (`required_attention_backend`)."""
+    return _OVERRIDE.register()
 
 
 def unregister_cuda_tree_backend() -> None:
-    """Undo register_cuda_tree_backend: FLASH_ATTN resolves to what it did before (vLLM's own class unless someone
-    else had overridden it); a no-op when ours is not registered."""
-    global _saved_override
-    member = AttentionBackendEnum.FLASH_ATTN
-    if not _ours(member):
-        return
-    previous, _saved_override = _saved_override, _UNSET
-    if isinstance(previous, str):
-        register_backend(member, previous)
-    else:
-        member.clear_override()
-    _clear_selector_cache()
+    """Undo register_cuda_tree_backend (FLASH_ATTN resolves to what it did before)."""
+    _OVERRIDE.unregister()
 
 
 def required_attention_backend(selected: AttentionBackendEnum | str | None) -> AttentionBackendEnum:

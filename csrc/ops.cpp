@@ -102,6 +102,12 @@ TORCH_LIBRARY(echo, m) {
       "select_budget_out(Tensor scores, Tensor depth, Tensor parent, Tensor valid, Tensor spine, "
       "Tensor depth_cap, Tensor truncated, int k_max, Tensor(a!) selected, Tensor(b!) counts, Tensor(c!) order, "
       "Tensor(d!) parent_local, Tensor(e!) order_depth) -> ()");
+  // Tree steps on vLLM's CPU_ATTN cache (tree_cpu.cpp; callers: echo_vllm.ops.tree).
+  m.def(
+      "tree_fix_attention(Tensor query, Tensor kv_cache, Tensor kmap, Tensor vmap, Tensor block_table, "
+      "Tensor context_len, Tensor fix_rows, Tensor fix_req, Tensor fix_bits, float scale, float softcap, "
+      "Tensor(a!) output) -> ()");
+  m.def("tree_kv_compact(Tensor(a!) kv_cache, Tensor kmap, Tensor vmap, Tensor src_slots, Tensor dst_slots) -> ()");
 }
 
 // ---- Python module stub: importing echo_vllm._C loads the library and runs the registrations above. ----

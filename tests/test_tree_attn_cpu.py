@@ -76,6 +76,19 @@ def _no_engine_config(monkeypatch):
     tree_state.clear()
 
 
+@pytest.fixture(params=["compiled", "torch"])
+def tree_path(request, monkeypatch):
+    """Both implementations of the fix-up rows and the compaction: the C++ ops and their torch reference."""
+    from echo_vllm.ops import tree as tree_ops
+
+    if request.param == "compiled":
+        if not tree_ops.compiled_tree_ops(torch.device("cpu")):
+            pytest.skip("echo_vllm._C without the tree ops (rebuild it: make install)")
+    else:
+        monkeypatch.setenv(tree_ops.TORCH_PATH_ENV, "1")
+    return request.param
+
+
 def make_impl(**kw) -> EchoTreeCPUAttentionImpl:
     args = dict(alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
     args.update(kw)
@@ -217,7 +230,7 @@ def run(step: Step) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(("softcap", "dtype"), [(None, torch.float32), (2.0, torch.float32), (None, torch.bfloat16)])
-def test_every_row_matches_the_dense_tree_reference(softcap, dtype):
+def test_every_row_matches_the_dense_tree_reference(softcap, dtype, tree_path):
     step = make_step(softcap, dtype=dtype)
     batch = publish_tree()
     assert sorted(batch.fix_rows.tolist()) == step.tree_rows  # the non-spine nodes, and only them
@@ -243,7 +256,7 @@ def test_without_the_tree_batch_the_leaf_rows_are_wrong():
     assert (err[step.tree_rows] > 1e-2).all(), f"fix-up row errors {err[step.tree_rows].tolist()}"
 
 
-def test_output_may_come_flat():
+def test_output_may_come_flat(tree_path):
     step = make_step(seed=1)
     publish_tree()
     flat = torch.zeros(step.query.shape[0], HEADS * HEAD)
@@ -253,7 +266,7 @@ def test_output_may_come_flat():
 
 
 @pytest.mark.parametrize("via", ["module", "impl"])
-def test_echo_compact_moves_k_and_v_per_slot(via):
+def test_echo_compact_moves_k_and_v_per_slot(via, tree_path):
     """Compacting a cache gives, bit for bit, the cache the kernel's own writer makes with each destination
     holding its source's K and V: no knowledge of the ISA's page layout in the check."""
     g = torch.Generator().manual_seed(3)

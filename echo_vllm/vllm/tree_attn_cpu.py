@@ -27,6 +27,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
+from echo_vllm.ops import tree as tree_ops
 from echo_vllm.vllm import tree_state
 from echo_vllm.vllm.backend_override import BackendOverride
 
@@ -109,6 +110,16 @@ def echo_compact(
     if src_slots.numel() == 0:
         return
     kmap, vmap = _layout_for(kv_cache, isa)
+    if tree_ops.compiled_tree_ops(kv_cache.device):
+        tree_ops.tree_kv_compact(kv_cache, kmap, vmap, src_slots, dst_slots)
+        return
+    echo_compact_torch(kv_cache, src_slots, dst_slots, kmap, vmap)
+
+
+def echo_compact_torch(
+    kv_cache: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor, kmap: torch.Tensor, vmap: torch.Tensor
+) -> None:
+    """The torch path of `echo_compact` (the compiled op's reference and fallback)."""
     block_size = kv_cache.shape[2]
     pages = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], -1)
     src = src_slots.to(device=kv_cache.device, dtype=torch.long)
@@ -191,6 +202,29 @@ class EchoTreeCPUAttentionImpl(CPUAttentionBackendImpl):
                 f"tree batch of {batch.num_reqs} requests meets attention metadata of {num_reqs}: "
                 "the tree batch was not cleared after its target forward"
             )
+        if tree_ops.compiled_tree_ops(kv_cache.device):
+            # One C++ call per layer: visibility from the rows' bits, keys read through the page layout, no plan.
+            _check_fix_lengths(batch, meta)
+            kmap, vmap = _layout_for(kv_cache, getattr(layer, "isa", None))
+            heads = self.num_heads
+            tree_ops.tree_fix_attention(
+                query.reshape(query.shape[0], heads, -1), kv_cache, kmap, vmap, meta.block_table, batch.context_len,
+                batch.fix_rows, batch.fix_req, batch.fix_bits, self.scale, self.logits_soft_cap,
+                output.view(output.shape[0], heads, -1),
+            )  # fmt: skip
+            return
+        self._fix_tree_rows_torch(layer, batch, query, kv_cache, meta, output)
+
+    def _fix_tree_rows_torch(
+        self,
+        layer: AttentionLayer,
+        batch: tree_state.TreeBatch,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: CPUAttentionMetadata,
+        output: torch.Tensor,
+    ) -> None:
+        """The torch path: the compiled kernel's reference, and its fallback."""
         plan = _fix_plan(batch, meta, kv_cache, getattr(layer, "isa", None))
         heads, kv_heads, group = self.num_heads, self.num_kv_heads, self.num_queries_per_kv
         pages = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], -1)
@@ -243,14 +277,13 @@ def _fix_plan(
     return plan
 
 
-def _build_fix_plan(
-    batch: tree_state.TreeBatch, meta: CPUAttentionMetadata, block_size: int, kmap: torch.Tensor, vmap: torch.Tensor
-) -> _FixPlan:
+def _fix_lengths(batch: tree_state.TreeBatch, meta: CPUAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """(requests with fix rows, their fix-row counts); raises if a tree request's KV length is not the scheduled
+    sequence length (the tree batch and the attention metadata would be of different steps)."""
     # Host-side bookkeeping: on CPU these tensors already live in host memory.
-    fix_rows, fix_req, fix_bits = batch.fix_rows.cpu(), batch.fix_req.cpu(), batch.fix_bits.cpu()
+    fix_req = batch.fix_req.cpu()
     context, num_draft, seq_lens = batch.context_len.cpu(), batch.num_draft.cpu(), meta.seq_lens.cpu()
     reqs, counts = torch.unique_consecutive(fix_req, return_counts=True)
-    num_groups, num_fix = int(reqs.numel()), int(fix_rows.numel())
     kv_len = context[reqs] + 1 + num_draft[reqs]
     bad = torch.nonzero(kv_len != seq_lens[reqs]).flatten()
     if bad.numel():
@@ -259,6 +292,25 @@ def _build_fix_plan(
             f"tree request row {req}: context {int(context[req])} + root + {int(num_draft[req])} drafts != "
             f"the scheduled sequence length {int(seq_lens[req])}"
         )
+    return reqs, counts
+
+
+def _check_fix_lengths(batch: tree_state.TreeBatch, meta: CPUAttentionMetadata) -> None:
+    """`_fix_lengths`' check once per step and metadata (every layer of a KV cache group shares them)."""
+    key = ("lengths checked", meta.seq_lens.data_ptr())
+    if key not in batch.layer_plans:
+        _fix_lengths(batch, meta)
+        batch.layer_plans[key] = True
+
+
+def _build_fix_plan(
+    batch: tree_state.TreeBatch, meta: CPUAttentionMetadata, block_size: int, kmap: torch.Tensor, vmap: torch.Tensor
+) -> _FixPlan:
+    fix_rows, fix_req, fix_bits = batch.fix_rows.cpu(), batch.fix_req.cpu(), batch.fix_bits.cpu()
+    context, num_draft = batch.context_len.cpu(), batch.num_draft.cpu()
+    reqs, counts = _fix_lengths(batch, meta)
+    num_groups, num_fix = int(reqs.numel()), int(fix_rows.numel())
+    kv_len = context[reqs] + 1 + num_draft[reqs]
     longest = int(kv_len.max())
     pos = torch.arange(longest)
     in_seq = pos.unsqueeze(0) < kv_len.unsqueeze(1)  # [R, L]

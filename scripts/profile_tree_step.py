@@ -1,0 +1,238 @@
+"""Per-phase host time of ECHO steps in vLLM on the CPU testbed (issue #13): where a tree step's extra time goes.
+
+    PYTHONPATH=. python scripts/profile_tree_step.py --methods echo-auto,echo-tree --batch-sizes 1,4 --repeats 2
+
+Each (method, batch) runs in a fresh engine process, built exactly as `echo-vllm bench vllm` builds it (same
+job, warm-up and ECHO settings); in that process perf_counter wrappers around the step's pieces (engine step,
+target forward, stock CPU attention, tree fix-up rows and their plan, tree batch, sampler, KV compaction, the
+proposer's selection and tree listing) time the timed generate only. Wrappers nest, so every figure is inclusive;
+printed as ms per engine step (and calls per step). Timings on a shared CPU are noisy: compare phases of the
+same run and repeat (--repeats, methods interleaved) before believing a difference. Not a test, not a benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+# (label, module, attribute path): what gets a timer. Class methods are wrapped on the class that defines them.
+TIMED = [
+    ("execute_model", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner.execute_model"),
+    ("prepare_inputs", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner._prepare_inputs"),
+    ("  publish_tree_batch", "echo_vllm.vllm.patches", "_publish_tree_batch"),
+    ("    build_tree_batch", "echo_vllm.vllm.tree_state", "build_tree_batch"),
+    ("model_forward", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner._model_forward"),
+    ("  attn_total(tree impl)", "echo_vllm.vllm.tree_attn_cpu", "EchoTreeCPUAttentionImpl.forward"),
+    ("  attn_stock_kernel", "vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl.forward"),
+    ("  fix_tree_rows", "echo_vllm.vllm.tree_attn_cpu", "EchoTreeCPUAttentionImpl._fix_tree_rows"),
+    ("    fix_plan(lookup+build)", "echo_vllm.vllm.tree_attn_cpu", "_fix_plan"),
+    ("    build_fix_plan", "echo_vllm.vllm.tree_attn_cpu", "_build_fix_plan"),
+    ("sample_tokens", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner.sample_tokens"),
+    ("  rejection_sampler", "vllm.v1.sample.rejection_sampler", "RejectionSampler.forward"),
+    ("  tree_sampler", "echo_vllm.vllm.tree_sampler", "EchoTreeRejectionSampler._tree_forward"),
+    ("  update_states_after", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner._update_states_after_model_execute"),
+    ("    compact_tree_step", "echo_vllm.vllm.patches", "_compact_tree_step"),
+    ("  propose(total)", "echo_vllm.vllm.proposer", "EchoProposer.propose"),
+    ("    sample_draft_tokens", "echo_vllm.vllm.proposer", "EchoProposer._sample_draft_tokens"),
+    ("    select", "echo_vllm.vllm.proposer", "EchoProposer._select"),
+    ("      budget.select", "echo_vllm.core.time_budget", "TimeAwareBudget.select"),
+    ("      sibling_tree", "echo_vllm.vllm.proposer", "EchoProposer._sibling_tree"),
+    ("      emit_trees", "echo_vllm.vllm.proposer", "EchoProposer._emit_trees"),
+    ("      spine_first_order", "echo_vllm.vllm.proposer", "spine_first_order"),
+    ("    observe_verification", "echo_vllm.vllm.proposer", "EchoProposer.observe_verification"),
+]
+
+_ACC: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+
+
+def _timed(label: str, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            acc = _ACC[label]
+            acc[0] += time.perf_counter() - start
+            acc[1] += 1
+
+    return wrapper
+
+
+def install_timers() -> list[str]:
+    missing = []
+    for label, module_name, path in TIMED:
+        try:
+            owner: Any = importlib.import_module(module_name)
+            *outer, name = path.split(".")
+            for part in outer:
+                owner = getattr(owner, part)
+            setattr(owner, name, _timed(label, getattr(owner, name)))
+        except (ImportError, AttributeError):
+            missing.append(label)
+    return missing
+
+
+_STEP: dict[str, Any] = {"tree": False, "drafted_tree": False}
+_STEPS: list[tuple[bool, bool, float]] = []  # per engine step: (verified a tree, drafted a tree, seconds)
+
+
+def _classify_steps() -> None:
+    """Per engine step: did it verify a published TreeBatch, did its proposer draft trees; and its time."""
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from echo_vllm.vllm import patches, proposer
+
+    step, publish, sibling = LLMEngine.step, patches._publish_tree_batch, proposer.EchoProposer._sibling_tree
+
+    def timed_step(self, *a, **k):
+        _STEP.update(tree=False, drafted_tree=False)
+        start = time.perf_counter()
+        try:
+            return step(self, *a, **k)
+        finally:
+            _STEPS.append((_STEP["tree"], _STEP["drafted_tree"], time.perf_counter() - start))
+
+    def flagged_publish(runner, *a, **k):
+        from echo_vllm.vllm import tree_state
+
+        out = publish(runner, *a, **k)
+        _STEP["tree"] = tree_state.current() is not None
+        return out
+
+    def flagged_sibling(self, *a, **k):
+        _STEP["drafted_tree"] = True
+        return sibling(self, *a, **k)
+
+    LLMEngine.step, patches._publish_tree_batch = timed_step, flagged_publish
+    proposer.EchoProposer._sibling_tree = flagged_sibling
+
+
+def child() -> int:
+    """One job (stdin); timers on from the warm-up on (--all-steps) or after it; prints the accumulators as JSON."""
+    from echo_vllm.vllm import offline
+
+    job = json.loads(sys.stdin.read())
+    all_steps = os.environ.get("ECHO_PROFILE_ALL_STEPS") == "1"
+    original_warm_up = offline._warm_up
+    missing: list[str] = []
+
+    def warm_up_then_time(llm, job_, params):
+        if all_steps:
+            _classify_steps()
+            missing.extend(install_timers())
+        result = original_warm_up(llm, job_, params)
+        if not all_steps:
+            _classify_steps()
+            missing.extend(install_timers())
+        return result
+
+    offline._warm_up = warm_up_then_time
+    result = offline.run_job(job)
+    steps = _ACC["execute_model"][1] or 1
+    kinds = {}
+    for name, pick in (("chain", (False, False)), ("drafts_tree", (False, True)), ("verifies_tree", (True, None))):
+        sel = [t for v, d, t in _STEPS if v == pick[0] and (pick[1] is None or d == pick[1])]
+        kinds[name] = {"n": len(sel), "ms": 1e3 * sum(sel) / max(1, len(sel))}
+    report = {
+        "steps": steps,
+        "step_kinds": kinds,
+        "generate_seconds": result["generate_seconds"],
+        "tok_s": result["num_generated"] / result["generate_seconds"],
+        "tokens_per_step": result["num_generated"] / steps,
+        "phases": {
+            label: {"ms": 1e3 * t / steps, "calls": n / steps, "ms_per_call": 1e3 * t / max(1, n)}
+            for label, (t, n) in _ACC.items()
+        },
+        "missing": missing,
+        "trees": (result.get("echo_stats") or {}).get("trees"),
+    }
+    sys.stdout.write("PROFILE:" + json.dumps(report) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+def run_one(method: str, batch_size: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from echo_vllm.bench.vllm_cli import plan_from_args
+    from echo_vllm.bench.vllm_run import build_job
+    from echo_vllm.runtime_env import cpu_runtime_env
+
+    ns = argparse.Namespace(
+        methods=method, eagle3_depths=[1], depth=4, top_k=4, k_max="auto", warmup_steps=16, profile_steps=24,
+        surplus_tail=True, dataset="humaneval", testbed=None, limit=args.limit, max_tokens=args.max_tokens,
+        batch_sizes=[batch_size], rounds=1,
+    )  # fmt: skip
+    plan = plan_from_args(ns)
+    work.mkdir(parents=True, exist_ok=True)
+    job, env_extra = build_job(plan, plan.variants[-1], batch_size, work, profile_key=True)
+    env = cpu_runtime_env(os.environ, in_process=True)
+    env.update(env_extra)
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    env["ECHO_PROFILE_ALL_STEPS"] = "1" if args.all_steps else "0"
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child"], input=json.dumps(job), capture_output=True, text=True, env=env,
+        timeout=1200,
+    )  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROFILE:")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"profile job failed (rc={proc.returncode}):\n" + "\n".join(proc.stderr.splitlines()[-30:]))
+    return json.loads(lines[-1][len("PROFILE:") :])
+
+
+def main() -> int:
+    if "--child" in sys.argv:
+        return child()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--methods", default="echo-auto,echo-tree")
+    parser.add_argument("--batch-sizes", default="1,4")
+    parser.add_argument("--limit", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--all-steps", action="store_true", help="time the warm-up too (its profile phase drafts trees every step)"
+    )
+    args = parser.parse_args()
+    import tempfile
+
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.repeats):
+            for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
+                methods = args.methods.split(",")
+                for method in methods if r % 2 == 0 else methods[::-1]:
+                    rep = run_one(method, batch_size, args, Path(tmp) / f"{method}-{batch_size}-{r}")
+                    rep.update(method=method, batch=batch_size, round=r)
+                    runs.append(rep)
+                    print(
+                        f"\n== {method} batch {batch_size} round {r}: {rep['steps']} steps, "
+                        f"{rep['tok_s']:.0f} tok/s, {rep['tokens_per_step']:.2f} tok/step, trees={rep['trees']}"
+                    )
+                    for kind, k in rep["step_kinds"].items():
+                        print(f"  steps {kind:<22} n={k['n']:4d}  {k['ms']:8.3f} ms/step (engine step)")
+                    for label, _, _ in TIMED:
+                        ph = rep["phases"].get(label)
+                        if ph:
+                            print(
+                                f"  {label:<28} {ph['ms']:8.3f} ms/step  {ph['calls']:6.2f} calls/step  "
+                                f"{ph['ms_per_call']:8.3f} ms/call"
+                            )
+                    sys.stdout.flush()
+    if args.json:
+        args.json.write_text(json.dumps(runs, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)

@@ -137,7 +137,7 @@ def bench_hf_tune_command(args: argparse.Namespace) -> int:
     from echo_vllm.bench import report
     from echo_vllm.bench.hf import dataset_prompts, run_configs_interleaved, shared_settings
     from echo_vllm.bench.hf_settings import TUNED_PATH, resolve_drafter, save_tuned
-    from echo_vllm.bench.hf_tune import DEFAULT_TUNE_METHODS, tradeoff_rows, tune
+    from echo_vllm.bench.hf_tune import DEFAULT_TUNE_METHODS, GRID_SETS, tradeoff_rows, tune
     from echo_vllm.bench.machine import git_commit, machine_facts
 
     root = resolve_testbed(args.testbed)
@@ -153,7 +153,7 @@ def bench_hf_tune_command(args: argparse.Namespace) -> int:
 
     started = datetime.datetime.now(datetime.timezone.utc)
     methods = _csv(args.methods) if args.methods else list(DEFAULT_TUNE_METHODS)
-    outcome = tune(methods, datasets, measure)
+    outcome = tune(methods, datasets, measure, grids=GRID_SETS[args.grid])
     tradeoff = tradeoff_rows(outcome)
     provenance = {
         "date": started.isoformat(timespec="seconds"),
@@ -166,6 +166,7 @@ def bench_hf_tune_command(args: argparse.Namespace) -> int:
         "tune_prompt_indices": {d: prompts[d][0] for d in datasets},
         "max_new_tokens": args.max_tokens,
         "rounds": args.rounds,
+        "grid_set": args.grid,
         "base_settings": shared_settings(base),
         "failed": outcome.failed,
         "grid": outcome.points_json(),
@@ -282,6 +283,12 @@ def add_parsers(bsub: argparse._SubParsersAction) -> None:
     _common(btune)
     btune.add_argument("--methods", default=None, help="comma list (default chain,eagle2,ddd,dense,fixed,echo)")
     btune.add_argument("--max-tokens", type=int, default=64)
+    btune.add_argument(
+        "--grid",
+        choices=["full", "quick"],
+        default="full",
+        help="full (default): the grids in echo_vllm/bench/hf_tune.py; quick: a few points of each (a smoke tune)",
+    )
     btune.add_argument("--rounds", type=int, default=2, help="interleaved rounds per grid (median)")
     btune.add_argument("--out", help="tuned-settings file to update (default echo_vllm/bench/hf_tuned.json)")
     btune.add_argument("--json", help="also write the whole sweep (every grid point, the trade-off table) here")

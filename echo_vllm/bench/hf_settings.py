@@ -100,9 +100,15 @@ class MethodSetting:
 
     def engine_options(self, base: EchoSettings, drafter: str = "eagle3") -> EngineOptions:
         """The engine's options: `base` with this setting's k_max / top_k / delta, validated (one ConfigError line)."""
+        spec = METHOD_SPECS[self.method]
         fields = {**base.model_dump(), "top_k": self.top_k, "delta": self.delta}
-        if METHOD_SPECS[self.method].drafts and not METHOD_SPECS[self.method].chain:
+        if spec.drafts and not spec.chain:
             fields["k_max"] = self.k_max
+            if self.k_max == "auto" and spec.gate_mode is None:
+                raise ConfigError(
+                    f"{self.method}.k_max: 'auto' is ECHO's time-aware budget (echo, dense, fixed); give "
+                    f"{self.method} its total of draft tokens per step as an integer"
+                )
         try:
             echo = EchoSettings(**fields)
         except ValidationError as err:
@@ -215,6 +221,7 @@ def save_tuned(path: Path, drafter: str, methods: dict[str, MethodSetting], prov
         "methods": {m: setting_to_json(s) for m, s in methods.items()},
         "provenance": provenance,
     }
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 

@@ -82,6 +82,24 @@ GRIDS: dict[str, Grid] = {
     "fixed": _gated("fixed"),
     "echo": _gated("echo"),
 }
+
+
+def _quick(method: str, keep: Callable[[MethodSetting], bool]) -> Grid:
+    return lambda best: [s for s in GRIDS[method](best) if keep(s)]
+
+
+# A subset of each grid (corners and the middle) for a smoke tune on a busy machine: `--grid quick`.
+QUICK_GRIDS: dict[str, Grid] = {
+    "chain": _quick("chain", lambda s: s.max_depth in (4, 6)),
+    "eagle2": _quick("eagle2", lambda s: s.k_max in (8, 12) and s.max_depth == 5),
+    "siblings": _quick("siblings", lambda s: s.k_max in (8, 12) and s.max_depth == 5),
+    "ddd": _quick("ddd", lambda s: s.ddd_threshold in (-3.0, -5.0)),
+    "dense": _quick("dense", lambda s: s.k_max in ("auto", 12)),
+    "fixed": _quick("fixed", lambda s: s.k_max in ("auto", 12)),
+    "echo": _quick("echo", lambda s: s.k_max in ("auto", 12) and s.delta in (0.6, 0.8)),
+}
+GRID_SETS = {"full": GRIDS, "quick": QUICK_GRIDS}
+
 # Configs run beside a method's grid for reference (same run): the trade-off table's "vs eagle2" columns.
 REFERENCES = {"echo": ("eagle2",), "dense": ("eagle2",), "fixed": ("eagle2",), "ddd": ("eagle2",)}
 

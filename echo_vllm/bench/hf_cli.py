@@ -50,12 +50,28 @@ def _span(row: dict[str, Any], key: str) -> str:
     return f"{format_cell(row[key])} [{row[key + '_min']:.3f}–{row[key + '_max']:.3f}]"
 
 
+def _set_threads(args: argparse.Namespace) -> None:
+    """--threads: torch's intra-op threads. On a CPU shared with other jobs one thread can be several times faster
+    than two (the threads spin waiting for each other); the JSON records what ran."""
+    if args.threads is not None:
+        import torch
+
+        if args.threads < 1:
+            from echo_vllm.errors import InputError
+
+            raise InputError(f"--threads must be >= 1; got {args.threads}")
+        torch.set_num_threads(args.threads)
+
+
 def bench_hf_command(args: argparse.Namespace) -> int:
+    import torch
+
     from echo_vllm.bench.hf import bench_hf
     from echo_vllm.bench.hf_settings import TUNED_PATH, resolve_drafter, settings_for_run
 
     root = resolve_testbed(args.testbed)
     kind, drafter_dir = resolve_drafter(args.drafter, root)
+    _set_threads(args)
     methods = _csv(args.methods)
     overrides = {
         "max_depth": args.depth,
@@ -91,6 +107,7 @@ def bench_hf_command(args: argparse.Namespace) -> int:
         prompt_set=args.prompt_set,
         drafter=kind,
         drafter_dir=drafter_dir,
+        extra_json={"torch_threads": torch.get_num_threads()},
     )
     results = outcome["results"]
     print(f"\nB = 1, {args.rounds} interleaved rounds, median [min–max]; prompt set: {args.prompt_set}")
@@ -142,6 +159,7 @@ def bench_hf_tune_command(args: argparse.Namespace) -> int:
 
     root = resolve_testbed(args.testbed)
     kind, drafter_dir = resolve_drafter(args.drafter, root)
+    _set_threads(args)
     base = _base_settings(args)
     datasets = _csv(args.dataset)
     prompts = {d: dataset_prompts(root, d, args.tune_prompts, None, "tune") for d in datasets}
@@ -217,6 +235,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
         help="the first this many prompts of each dataset are the tuning set; bench hf reports on the prompts after",
     )
     parser.add_argument("--warmup-steps", type=int, default=32)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default torch's choice; 1 on a busy shared CPU)"
+    )
     parser.add_argument(
         "--surplus-width",
         choices=["all", "truncated"],

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from testbed_fixture import shipped_testbed
 
-from echo_vllm.bench.hf import bench_hf, rotations, split_prompts
+from echo_vllm.bench.hf import Config, bench_hf, rotations, split_prompts
 from echo_vllm.bench.hf_settings import (
     DrafterError,
     MethodSetting,
@@ -272,3 +272,16 @@ def test_bench_hf_rows_carry_the_contract_and_are_lossless(tmp_path):
 def test_bench_hf_with_the_draft_model_is_lossless(tmp_path):
     _, data = _tiny_bench(tmp_path, ["ar", "chain", "eagle2"], drafter="draft-model", drafter_dir=DRAFT_LM)
     assert all(r["identical_to_ar"] and r["drafter"] == "draft-model" for r in data["results"])
+
+
+def test_warm_up_leaves_calibration_and_zeroes_the_counters():
+    from echo_vllm.bench.hf import build_engines, warm_up
+
+    root = shipped_testbed()
+    base = EchoSettings(warmup_steps=2, min_samples_per_class=1)
+    engine = build_engines(
+        root, [Config("echo", MethodSetting("echo", max_depth=3, k_max=4))], base, "eagle3", root / "eagle3"
+    )["echo"]
+    warm_up(engine, [list(range(5, 60)), list(range(60, 90))], 12, base)
+    assert engine.calibration is not None  # the gated method calibrated before anything is timed
+    assert engine.phases.steps == 0 and engine.metrics.totals()["verified"] == 0.0

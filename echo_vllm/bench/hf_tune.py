@@ -230,4 +230,7 @@ def tradeoff_rows(outcome: TuneOutcome, method: str = "echo") -> list[dict[str, 
                 row["u_vs_eagle2"] = u / ref_u if u and ref_u else None
                 row["speed_vs_eagle2"] = run["speedup_vs_ar"].median / ref["speedup_vs_ar"].median
             rows.append(row)
-    return sorted(rows, key=lambda r: (str(r["k_max"]), r["delta"], r["dataset"]))
+    # Integer budgets ascending, then "auto".
+    return sorted(
+        rows, key=lambda r: (r["k_max"] == "auto", r["k_max"] if r["k_max"] != "auto" else 0, r["delta"], r["dataset"])
+    )

@@ -2,7 +2,7 @@
 
 The protocol (docs/benchmarks.md, "HF engine"): every configuration runs on every prompt, prompt by prompt, in
 rounds whose order rotates (A B C, B C A, ...), after the same untimed warm-up; each figure is the median of the
-rounds with its min-max, and speedups are ratios within a round. Each method runs at its tuned setting
+rounds with its min-max, and a speedup is the ratio of medians with the min-max of the same-round ratios. Each method runs at its tuned setting
 (`hf_settings`, written by `bench hf-tune` on a disjoint tuning prompt set: the first `tune_prompts` prompts of
 each dataset; `bench hf` reports on the prompts after them).
 
@@ -171,7 +171,7 @@ def run_configs_interleaved(
             "setting": config.setting,
             "round_tokens_per_s": tps,
             "tokens_per_s": spread(tps),
-            "speedup_vs_ar": spread([a / b for a, b in zip(tps, ar_tps, strict=True)]),
+            "speedup_vs_ar": ratio_spread(tps, ar_tps),
             "wall_s": spread(seconds[label]),
             "tokens": tokens[label],
             "identical_to_ar": all(outputs[label][r] == outputs[ref][r] for r in range(rounds)),
@@ -187,9 +187,19 @@ def run_configs_interleaved(
     return runs
 
 
+def ratio_spread(a: list[float], b: list[float]) -> Spread:
+    """The protocol's ratio: median(a) / median(b) (the ratio of medians), with the min-max of the per-round
+    ratios a_r / b_r. With 2 rounds the ratio of medians lies between the round ratios; with more it can fall
+    just outside when one round was disturbed."""
+    rounds = spread(x / y for x, y in zip(a, b, strict=True))
+    ma, mb = spread(a), spread(b)
+    assert rounds is not None and ma is not None and mb is not None
+    return Spread(ma.median / mb.median, rounds.min, rounds.max, rounds.n)
+
+
 def round_ratio(runs: dict[str, dict[str, Any]], a: str, b: str) -> Spread | None:
-    """Per-round tokens/s of `a` over `b` (the same round): median [min-max]."""
-    return spread(x / y for x, y in zip(runs[a]["round_tokens_per_s"], runs[b]["round_tokens_per_s"], strict=True))
+    """Tokens/s of `a` over `b`: the ratio of medians [min-max of the same-round ratios]."""
+    return ratio_spread(runs[a]["round_tokens_per_s"], runs[b]["round_tokens_per_s"])
 
 
 def result_row(run: dict[str, Any], dataset: str, drafter: str, prompt_set: str, indices: list[int]) -> dict[str, Any]:

@@ -37,7 +37,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["echo_vllm", "echo_vllm.*"]),
     include_package_data=True,
-    package_data={"echo_vllm": ["py.typed"]},
+    package_data={"echo_vllm": ["py.typed", "bench/hf_tuned.json"]},  # bench hf's tuned defaults
     install_requires=[
         # The core: tensors in and out.
         "torch>=2.4",

@@ -129,6 +129,8 @@ def test_bench_hf_smoke_writes_the_documented_json(tmp_path):
         "8",
         "--warmup-steps",
         "2",
+        "--rounds",
+        "2",
         "--json",
         str(out),
     )
@@ -150,11 +152,15 @@ def test_bench_hf_smoke_writes_the_documented_json(tmp_path):
         "speedup_vs_ar",
         "accepted_per_verified_draft",
         "identical_to_ar",
+        "drafter",
+        "setting",
+        "prompt_set",
     }
     for row in results:
         assert keys <= row.keys()
         assert row["identical_to_ar"] is True
     assert "speedup_vs_ar" in proc.stdout  # the printed table
+    assert "echo vs eagle2" in proc.stdout and "echo vs ddd" in proc.stdout  # the ratio lines
 
 
 def test_bench_hf_unknown_method_is_one_line_error():
@@ -208,3 +214,11 @@ def test_bench_vllm_surplus_tail_flag_reaches_the_echo_block():
         "profile_steps": 24,
         "surplus_tail": False,
     }
+
+
+def test_bench_hf_unknown_drafter_is_one_line_error():
+    from testbed_fixture import shipped_testbed
+
+    proc = run_cli("bench", "hf", "--testbed", str(shipped_testbed()), "--drafter", "medusa", "--limit", "1")
+    assert proc.returncode == 2
+    assert "--drafter" in proc.stderr and "Traceback" not in proc.stderr

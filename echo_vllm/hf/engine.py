@@ -218,6 +218,14 @@ class HFEngine:
                 )
                 logger.info("ECHO calibration (%s): loaded %s; %s", self.method, path, self.calibration.describe())
 
+    def reset_counters(self) -> None:
+        """Forget the metrics and phase times so far (a benchmark's untimed warm-up); calibration, the budget's
+        cost model and the weights stay."""
+        self.metrics = EchoMetrics(self.max_depth)
+        self.drafted_depth_sum = 0
+        self.drafted_steps = 0
+        self.phases = PhaseClock()
+
     # ---- one verification step -----------------------------------------------------------------------------
 
     @property

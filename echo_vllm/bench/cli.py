@@ -45,6 +45,7 @@ def bench_hf_command(args: argparse.Namespace) -> int:
         json_path=args.json,
         gated_depth=args.echo_depth,
         ddd=DDDSettings(threshold=args.ddd_threshold, max_depth=args.ddd_max_depth, check_depths=args.ddd_check_depths),
+        drafter=args.drafter,
     )
     print_table(
         results,
@@ -98,6 +99,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     bhf = bsub.add_parser("hf", help="HF engine (B = 1): ar, chain, eagle2, ddd, siblings, dense, fixed, echo")
     bhf.add_argument("--methods", default="ar,chain,eagle2,dense,fixed,echo")
     bhf.add_argument("--testbed")
+    bhf.add_argument(
+        "--drafter",
+        default="eagle3",
+        help="eagle3 (the testbed's EAGLE-3 head), draft-model (its distilled draft LM, draft-lm/) or KIND:PATH",
+    )
     bhf.add_argument("--dataset", default="humaneval,mtbench", help="comma list of humaneval, mtbench")
     bhf.add_argument("--limit", type=int, default=10, help="prompts per dataset")
     bhf.add_argument("--max-tokens", type=int, default=96)

@@ -13,6 +13,7 @@ from typing import Any
 from echo_vllm.bench import report
 from echo_vllm.config import EchoSettings
 from echo_vllm.core.eagle2 import DDDSettings
+from echo_vllm.hf.draft_model import parse_drafter_spec
 from echo_vllm.hf.engine import GATED, METHODS, EngineInputError, EngineOptions, HFEngine
 
 
@@ -37,19 +38,22 @@ def run_methods_interleaved(
     temperature: float,
     progress=None,
     ddd: DDDSettings | None = None,
+    drafter: str = "eagle3",
 ) -> dict[str, dict[str, Any]]:
     """Every method on every prompt, prompt by prompt (ar, m1, m2, ... on prompt 1, then prompt 2, ...).
 
     On a shared machine the load drifts; interleaving gives every method the same mix of quiet and busy
-    moments, so the ratios of one run are fair even when its absolute numbers move.
+    moments, so the ratios of one run are fair even when its absolute numbers move. `drafter`: a --drafter spec
+    (`echo_vllm.hf.draft_model.parse_drafter_spec`), the drafter every speculative method uses.
     """
+    kind, drafter_dir = parse_drafter_spec(drafter, root)
     built: dict[str, HFEngine] = {}
     first_spec = None
     for m in sorted(methods, key=lambda name: name == "ar"):  # a speculative engine first: ar shares its weights
         built[m] = HFEngine(
             root / "target",
-            root / "eagle3" if m != "ar" else None,
-            EngineOptions(method=m, max_depth=depths[m], echo=settings, ddd=ddd or DDDSettings()),
+            drafter_dir if m != "ar" else None,
+            EngineOptions(method=m, max_depth=depths[m], echo=settings, ddd=ddd or DDDSettings(), drafter=kind),
             share_models_with=first_spec,
         )
         first_spec = first_spec or (built[m] if m != "ar" else None)
@@ -91,6 +95,7 @@ def bench_hf(
     json_path: str | None = None,
     gated_depth: int | None = None,
     ddd: DDDSettings | None = None,
+    drafter: str = "eagle3",
 ) -> list[dict[str, Any]]:
     """`max_depth` is every drafting method's depth but the gated ones' (`gated_depth`, default max_depth) and
     ddd's (`ddd.max_depth`, set by the engine)."""
@@ -103,6 +108,7 @@ def bench_hf(
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm is in the bench extra
         tqdm = None
+    parse_drafter_spec(drafter, root)  # a bad --drafter fails before any model loads
     tokenizer = load_tokenizer(root / "target")
     results = []
     for dataset in datasets:
@@ -111,7 +117,7 @@ def bench_hf(
         depths = {m: gated_depth if (gated_depth and m in GATED) else max_depth for m in order}
         progress = tqdm(total=len(prompts), desc=f"{dataset} ({', '.join(order)})", leave=False) if tqdm else None
         runs = run_methods_interleaved(
-            root, order, settings, depths, prompts, max_new_tokens, temperature, progress, ddd=ddd
+            root, order, settings, depths, prompts, max_new_tokens, temperature, progress, ddd=ddd, drafter=drafter
         )
         if progress is not None:
             progress.close()
@@ -124,6 +130,7 @@ def bench_hf(
             results.append(
                 {
                     "method": method,
+                    "drafter": drafter if method != "ar" else None,
                     "dataset": dataset,
                     "batch_size": 1,
                     "max_depth": run["max_depth"] if method != "ar" else None,

@@ -6,6 +6,7 @@ User errors (bad paths, bad configs) print one line `echo-vllm: error: ...` and 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -31,8 +32,28 @@ def _testbed_build(args: argparse.Namespace) -> int:
         "build_seconds": manifest["build_seconds"],
         "target_heldout_loss": round(manifest["target"]["heldout_loss"], 4),
         "head_top1_agreement_per_step": manifest["eagle3"]["heldout_top1_agreement_per_step"],
+        "draft_lm_top1_agreement": manifest["draft_lm"]["heldout_top1_agreement"],
     }
     print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _testbed_build_draft_lm(args: argparse.Namespace) -> int:
+    """Only the draft LM, into an existing testbed, against its target (which stays as it is)."""
+    from echo_vllm.testbed.build import PRESETS, draft_spec, load_manifest
+    from echo_vllm.testbed.draft_lm import build_draft_lm
+
+    out = testbed_dir(args.out)
+    preset = PRESETS.get(load_manifest(out).get("preset", {}).get("name", "full"), PRESETS["full"])
+    spec = draft_spec(preset)
+    if args.steps is not None:
+        spec = dataclasses.replace(spec, steps=args.steps)
+    if args.layers is not None:
+        spec = dataclasses.replace(spec, num_layers=args.layers)
+    if spec.steps < 1 or spec.num_layers < 1:
+        raise TestbedError(f"--steps and --layers must be >= 1; got steps={spec.steps}, layers={spec.num_layers}")
+    entry = build_draft_lm(out, spec, stdlib=args.stdlib)
+    print(json.dumps({"out": str(out / "draft-lm"), **entry}, indent=2))
     return 0
 
 
@@ -66,8 +87,10 @@ def _testbed_ensure(args: argparse.Namespace) -> int:
         )
     out.mkdir(parents=True, exist_ok=True)
     (out / PREBUILT_MARKER).write_text("installed by `echo-vllm testbed ensure` from the prebuilt testbed\n")
-    for name in ("target", "eagle3", "testbed.json"):
+    for name in ("target", "eagle3", "draft-lm", "testbed.json"):
         src = SHIPPED_TESTBED / name
+        if not src.exists():  # a checkout from before the draft LM was added
+            continue
         if src.is_dir():
             shutil.rmtree(out / name, ignore_errors=True)
             shutil.copytree(src, out / name)
@@ -128,6 +151,15 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--stdlib", help="directory of Python sources to train on (default: this Python's stdlib)")
     build.set_defaults(func=_testbed_build)
+    draft = tsub.add_parser(
+        "build-draft-lm",
+        help="distill only the draft LM (draft-lm/) into an existing testbed, against its target (kept as is)",
+    )
+    draft.add_argument("--out", help="the testbed dir (default $ECHO_TESTBED_DIR or ~/.cache/echo-vllm/testbed)")
+    draft.add_argument("--steps", type=int, help="training steps (default: the testbed preset's draft_steps)")
+    draft.add_argument("--layers", type=int, help="decoder layers (default: the preset's draft_layers)")
+    draft.add_argument("--stdlib", help="directory of Python sources to train on (default: this Python's stdlib)")
+    draft.set_defaults(func=_testbed_build_draft_lm)
     ensure = tsub.add_parser(
         "ensure",
         help="install the prebuilt testbed if none is there (needs a git checkout: it "

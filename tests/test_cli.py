@@ -108,6 +108,13 @@ def test_quick_testbed_builds_and_loads(tmp_path):
     assert head.config.vocab_size == manifest["vocab_size"]
     with pytest.raises(ValueError, match="vocab_size"):
         Eagle3Head.load(out / "eagle3", torch.zeros(7, head.config.hidden_size))
+    # The distilled draft LM: loadable, checked against the target's tokenizer, its agreement recorded.
+    from echo_vllm.hf.draft_model import load_draft_model
+
+    draft = load_draft_model(out / "draft-lm", out / "target", manifest["vocab_size"])
+    assert draft(input_ids=ids).logits.shape[-1] == manifest["vocab_size"]
+    assert draft.config.num_hidden_layers == manifest["preset"]["draft_layers"]
+    assert 0.0 <= manifest["draft_lm"]["heldout_top1_agreement"] <= 1.0
 
 
 def test_bench_hf_smoke_writes_the_documented_json(tmp_path):
@@ -178,6 +185,29 @@ def test_bench_hf_bad_ddd_setting_is_one_line_error():
     proc = run_cli("bench", "hf", "--testbed", root, "--methods", "ar,ddd", "--limit", "1", "--ddd-threshold", "1")
     assert proc.returncode == 2
     assert "ddd.threshold" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_hf_bad_drafter_is_one_line_error():
+    from testbed_fixture import shipped_testbed
+
+    root = str(shipped_testbed())
+    proc = run_cli("bench", "hf", "--testbed", root, "--methods", "ar,chain", "--limit", "1", "--drafter", "medusa")
+    assert proc.returncode == 2
+    assert "--drafter" in proc.stderr and "draft-model" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_hf_draft_model_drafter_rows(tmp_path):
+    from testbed_fixture import shipped_testbed
+
+    out = tmp_path / "bench.json"
+    root = str(shipped_testbed())
+    args = ("--methods", "ar,chain", "--dataset", "humaneval", "--limit", "1", "--max-tokens", "8", "--json", str(out))
+    proc = run_cli("bench", "hf", "--testbed", root, "--drafter", "draft-model", *args)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    # every row names the run's drafter (ar too: its row is the reference of that drafter's comparison)
+    assert rows["chain"]["drafter"] == "draft-model" and rows["ar"]["drafter"] == "draft-model"
+    assert rows["chain"]["identical_to_ar"] is True
 
 
 def test_testbed_ensure_installs_replaces_stale_prebuilt_and_keeps_user_builds(tmp_path):

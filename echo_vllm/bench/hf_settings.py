@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from echo_vllm.config import EchoSettings, format_validation_error
 from echo_vllm.core.eagle2 import DDDSettings
 from echo_vllm.errors import ConfigError, InputError
+from echo_vllm.hf.draft_model import DrafterError, parse_drafter_spec  # noqa: F401 (DrafterError: re-exported)
 from echo_vllm.hf.engine import GATED, METHOD_SPECS, METHODS, EngineOptions
 
 TUNED_PATH = Path(__file__).with_name("hf_tuned.json")
@@ -29,10 +30,6 @@ TUNED_VERSION = 1
 
 class TunedSettingsError(ConfigError):
     """A tuned-settings file (hf_tuned.json) that cannot be used; the message names the file, key and fix."""
-
-
-class DrafterError(InputError):
-    """A --drafter value that names no drafter."""
 
 
 @dataclass(frozen=True)
@@ -113,8 +110,9 @@ class MethodSetting:
             echo = EchoSettings(**fields)
         except ValidationError as err:
             raise ConfigError(f"{self.method}: {format_validation_error(err)}") from None
-        extra: dict[str, Any] = {} if drafter == "eagle3" else {"drafter": drafter}  # the drafter branch's field
-        options = EngineOptions(method=self.method, max_depth=self.max_depth, echo=echo, ddd=self.ddd(), **extra)
+        options = EngineOptions(
+            method=self.method, max_depth=self.max_depth, echo=echo, ddd=self.ddd(), drafter=drafter
+        )
         options.validate()
         return options
 
@@ -257,11 +255,6 @@ def settings_for_run(
 
 
 def resolve_drafter(spec: str, root: Path) -> tuple[str, Path]:
-    """--drafter: 'eagle3' -> the testbed's EAGLE-3 head, 'draft-model' -> its draft LM, 'draft-model:PATH'."""
-    if spec == "eagle3":
-        return "eagle3", root / "eagle3"
-    if spec == "draft-model":
-        return "draft-model", root / "draft-lm"
-    if spec.startswith("draft-model:") and spec[len("draft-model:") :]:
-        return "draft-model", Path(spec[len("draft-model:") :]).expanduser()
-    raise DrafterError(f"--drafter: unknown {spec!r}; give eagle3, draft-model or draft-model:PATH")
+    """--drafter: 'eagle3' -> the testbed's EAGLE-3 head, 'draft-model' -> its draft LM, 'KIND:PATH' -> PATH
+    (one parser for the engine's and the benchmark's drafter specs: `echo_vllm.hf.draft_model`)."""
+    return parse_drafter_spec(spec, root)

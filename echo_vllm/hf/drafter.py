@@ -20,7 +20,8 @@ class Eagle3TreeDrafter:
         self.vocab_size = head.config.vocab_size
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self, prompt: torch.Tensor | None = None) -> None:
+        """A new prompt (unused: the head's context arrives whole with the first `extend_context`)."""
         self.ctx_k: torch.Tensor | None = None
         self.ctx_v: torch.Tensor | None = None
         self.root_position = -1

@@ -51,6 +51,7 @@ from echo_vllm.core.cost_model import StepSample
 from echo_vllm.core.eagle2 import DDDSettings, grow_eagle2
 from echo_vllm.core.time_budget import TimeAwareBudget
 from echo_vllm.errors import InputError
+from echo_vllm.hf.draft_model import DRAFTER_KINDS, DraftModelTreeDrafter, load_draft_model
 from echo_vllm.hf.drafter import Eagle3TreeDrafter
 from echo_vllm.hf.target import HFTarget
 from echo_vllm.models.eagle3 import Eagle3Head, read_head_config
@@ -64,7 +65,7 @@ class MethodSpec:
     """What distinguishes one method; the engine reads these fields instead of comparing method names."""
 
     name: str
-    drafts: bool  # uses the EAGLE-3 head (all but ar)
+    drafts: bool  # uses the drafter (all but ar)
     gate_mode: str | None = None  # calibrated gates of this mode (warm-up, then gates), else never any gate
     chain: bool = False  # top_k 1 and K = max_depth: a fixed chain
     rerank: bool = False  # EAGLE-2: every node competes on path score (select_eagle2), no spine priority
@@ -121,9 +122,12 @@ class PhaseClock:
 
 @dataclass
 class EngineOptions:
-    """`max_depth`: the draft depth of every drafting method but ddd, whose limit is `ddd.max_depth`."""
+    """`max_depth`: the draft depth of every drafting method but ddd, whose limit is `ddd.max_depth`.
+    `drafter`: the drafter family, "eagle3" (an EAGLE-3 head over the target's aux hidden states) or
+    "draft-model" (a small HF causal LM with the target's tokenizer, `echo_vllm.hf.draft_model`)."""
 
     method: str = "echo"
+    drafter: str = "eagle3"
     max_depth: int = 6
     echo: EchoSettings = field(default_factory=EchoSettings)
     ddd: DDDSettings = field(default_factory=DDDSettings)
@@ -131,6 +135,8 @@ class EngineOptions:
     def validate(self) -> None:
         if self.method not in METHODS:
             raise EngineInputError(f"method: unknown {self.method!r}; choose from {', '.join(METHODS)}")
+        if self.drafter not in DRAFTER_KINDS:
+            raise EngineInputError(f"drafter: unknown {self.drafter!r}; choose from {', '.join(DRAFTER_KINDS)}")
         if not isinstance(self.max_depth, int) or self.max_depth < 1:
             raise EngineInputError(f"max_depth must be an integer >= 1; got {self.max_depth!r}")
         if METHOD_SPECS[self.method].ddd:
@@ -153,31 +159,33 @@ class HFEngine:
         dtype: torch.dtype = torch.float32,
         share_models_with: HFEngine | None = None,
     ):
-        """`share_models_with`: reuse that engine's target and head weights (the benchmark runs several methods
-        prompt by prompt; one copy of the weights keeps them warm in the CPU caches for all). Engines that share
-        must not generate concurrently: the target's KV cache is shared too, and every prompt starts by resetting
-        it."""
+        """`head_dir`: the drafter's directory, of the kind `options.drafter` names (an EAGLE-3 head, or a draft
+        LM); unused by ar. `share_models_with`: reuse that engine's target and drafter weights (the benchmark runs
+        several methods prompt by prompt; one copy of the weights keeps them warm in the CPU caches for all).
+        Engines that share must not generate concurrently: the target's KV cache is shared too, and every prompt
+        starts by resetting it; each engine keeps its own drafting state over shared drafter weights."""
         options.validate()
         self.options = options
         self.method = options.method
         self.spec = spec = METHOD_SPECS[options.method]
-        aux_ids: tuple[int, ...] = ()
+        kind = options.drafter
+        # The aux layers the drafter reads; None = the drafter needs none (ar, a draft LM).
+        aux_ids: tuple[int, ...] | None = None
         if spec.drafts:
             if head_dir is None:
-                raise EngineInputError(f"method {self.method!r} needs an EAGLE-3 head directory")
-            aux_ids = read_head_config(head_dir).aux_layer_ids
+                raise EngineInputError(f"method {self.method!r} needs a drafter directory ({kind})")
+            if kind == "eagle3":
+                aux_ids = read_head_config(head_dir).aux_layer_ids
         shared = share_models_with
-        if shared is not None and (not spec.drafts or shared.target.aux_layer_ids == aux_ids):
-            # ar ignores the aux states: the shared target's capture hooks cost it a few microseconds a forward.
+        if shared is not None and (aux_ids is None or shared.target.aux_layer_ids == aux_ids):
+            # Without a head the aux states go unused: the shared target's capture hooks cost a few microseconds.
             self.target = shared.target
         else:
-            self.target = HFTarget(target_dir, aux_ids, dtype=dtype)
+            self.target = HFTarget(target_dir, aux_ids or (), dtype=dtype)
+        self.drafter_kind = kind if spec.drafts else None
+        self.drafter_dir = Path(head_dir) if spec.drafts and head_dir is not None else None
         if spec.drafts:
-            if shared is not None and shared.spec.drafts and shared.target is self.target:
-                head = shared.drafter.head
-            else:
-                head = Eagle3Head.load(head_dir, self.target.embedding.detach().to(torch.float32)).to(dtype)
-            self.drafter = Eagle3TreeDrafter(head)
+            self.drafter = self._make_drafter(target_dir, shared, dtype)
         settings = options.echo
         self.top_k = 1 if spec.chain else settings.top_k
         self.max_depth = options.ddd.max_depth if spec.ddd else options.max_depth
@@ -225,6 +233,30 @@ class HFEngine:
         self.drafted_depth_sum = 0
         self.drafted_steps = 0
         self.phases = PhaseClock()
+
+    def _make_drafter(
+        self, target_dir, shared: HFEngine | None, dtype: torch.dtype
+    ) -> Eagle3TreeDrafter | DraftModelTreeDrafter:
+        """This engine's drafter, over the shared engine's weights when they are the same drafter's."""
+        assert self.drafter_dir is not None
+        same = (
+            shared is not None
+            and shared.drafter_kind == self.drafter_kind
+            and shared.drafter_dir == self.drafter_dir
+            and shared.target is self.target
+        )
+        prev = shared.drafter if same and shared is not None else None
+        if self.drafter_kind == "draft-model":
+            if isinstance(prev, DraftModelTreeDrafter):
+                model = prev.model
+            else:
+                model = load_draft_model(self.drafter_dir, target_dir, self.target.vocab_size, dtype=dtype)
+            return DraftModelTreeDrafter(model)
+        if isinstance(prev, Eagle3TreeDrafter):
+            head = prev.head
+        else:
+            head = Eagle3Head.load(self.drafter_dir, self.target.embedding.detach().to(torch.float32)).to(dtype)
+        return Eagle3TreeDrafter(head)
 
     # ---- one verification step -----------------------------------------------------------------------------
 
@@ -300,7 +332,7 @@ class HFEngine:
         logits, aux = self.target.forward(prompt, positions, None)
         pending = self._pick(logits[:, -1], temperature, generator)
         if self.spec.drafts:
-            self.drafter.reset()
+            self.drafter.reset(prompt)
             # Head context: base t consumes (target hidden at t, token t + 1).
             next_tokens = torch.cat([prompt[:, 1:], torch.tensor([[pending]])], dim=1)
             self.drafter.extend_context(aux, next_tokens, positions)
@@ -447,7 +479,7 @@ class HFEngine:
         # Keep the target cache along the root + accepted path only.
         keep_rows = torch.cat([torch.zeros(1, dtype=torch.long), accepted_local + 1])
         self.target.keep_path(base, keep_rows)
-        new_aux = aux[:, keep_rows]
+        new_aux = aux[:, keep_rows] if aux is not None else None  # a draft LM's target captures no aux states
         self.drafter.extend_context(new_aux, torch.tensor([emitted]), (base + torch.arange(accepted + 1)).unsqueeze(0))
         clock = self.phases.add("update_context", clock)
         cap = self._plan.k_cap if self.budget is not None else self.k_max

@@ -1,8 +1,9 @@
-"""`echo-vllm testbed build`: tokenizer + tiny Llama target + EAGLE-3 head, deterministic from seeds.
+"""`echo-vllm testbed build`: tokenizer + tiny Llama target + EAGLE-3 head + draft LM, deterministic from seeds.
 
 Output layout (safetensors + JSON + tokenizer files only):
   OUT/target/   LlamaForCausalLM, loadable by transformers and vLLM
   OUT/eagle3/   EAGLE-3 head in the layout vLLM 0.32 loads for "method": "eagle3"
+  OUT/draft-lm/ a few-layer LlamaForCausalLM distilled against the target, with its tokenizer (testbed.draft_lm)
   OUT/testbed.json  what was built, with held-out loss and head agreement
 """
 
@@ -19,6 +20,7 @@ import torch
 
 from echo_vllm.models.eagle3 import Eagle3Config, Eagle3Head, init_head_weights
 from echo_vllm.testbed import corpus
+from echo_vllm.testbed import draft_lm as draft_train
 from echo_vllm.testbed import head as head_train
 from echo_vllm.testbed import target as target_train
 from echo_vllm.testbed import tokenizer as tok_mod
@@ -42,6 +44,10 @@ class Preset:
     head_lr: float = 2e-3
     num_unrolled: int = 3
     aux_layer_ids: tuple[int, ...] = (1, 2, 3)
+    # The distilled draft LM (echo_vllm.testbed.draft_lm): decoder layers, training steps and batch size.
+    draft_layers: int = 2
+    draft_steps: int = 300
+    draft_batch_size: int = 8
     # bf16 autocast for the matmuls (fp32 master weights and losses): ~2x faster training on CPUs with
     # AVX512-BF16/AMX; off where the CPU lacks native bf16 (it would be slower, not wrong).
     bf16_autocast: bool = False
@@ -70,6 +76,8 @@ PRESETS = {
         corpus_chars=400_000,
         target_steps=60,
         head_steps=40,
+        draft_layers=1,
+        draft_steps=20,
         seq_len=64,
         batch_size=8,
     ),
@@ -163,12 +171,24 @@ def build_testbed(out: Path, preset: Preset, seed: int = 0, stdlib: str | None =
         agreement = head_train.heldout_agreement(head, target, heldout_ids, preset.seq_len, preset.num_unrolled)
         log(f"  head held-out top-1 agreement per draft step: {agreement}")
 
+        draft, draft_entry = draft_train.distill(
+            target,
+            train_ids,
+            heldout_ids,
+            draft_spec(preset),
+            seq_len=preset.seq_len,
+            seed=seed,
+            log=log,
+            bf16_autocast=use_bf16,
+        )
+
         target_dir, head_dir = staging / "target", staging / "eagle3"
         # bf16 on disk halves the size; every engine upcasts exactly to float32.
         target.to(torch.bfloat16).save_pretrained(target_dir, safe_serialization=True)
         tok_mod.save_tokenizer(tok, target_dir, spec.max_position_embeddings)
         head.save(head_dir, dtype=torch.bfloat16)
         tok_mod.save_tokenizer(tok, head_dir, spec.max_position_embeddings)
+        draft_train.save_draft(draft, target_dir, staging / draft_train.DRAFT_DIR)
 
         manifest = {
             "format": TESTBED_FORMAT,
@@ -185,10 +205,11 @@ def build_testbed(out: Path, preset: Preset, seed: int = 0, stdlib: str | None =
                 "heldout_top1_agreement_per_step": agreement,
                 "aux_layer_ids": list(preset.aux_layer_ids),
             },
+            "draft_lm": draft_entry,
             "build_seconds": round(time.time() - started, 1),
         }
         (staging / "testbed.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        for name in ("target", "eagle3", "testbed.json"):
+        for name in ("target", "eagle3", draft_train.DRAFT_DIR, "testbed.json"):
             dest = out / name
             if dest.is_dir():
                 shutil.rmtree(dest)
@@ -200,6 +221,12 @@ def build_testbed(out: Path, preset: Preset, seed: int = 0, stdlib: str | None =
         shutil.rmtree(staging, ignore_errors=True)
     log(f"testbed[{preset.name}] written to {out} in {manifest['build_seconds']:.0f}s")
     return manifest
+
+
+def draft_spec(preset: Preset) -> draft_train.DraftSpec:
+    return draft_train.DraftSpec(
+        num_layers=preset.draft_layers, steps=preset.draft_steps, batch_size=preset.draft_batch_size
+    )
 
 
 def load_manifest(root: Path) -> dict:

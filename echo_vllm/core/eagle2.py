@@ -185,8 +185,11 @@ class DDDSettings:
                   H <= log 1 = 0 always);
     max_depth     the deepest depth drafted when H never falls below the threshold (the paper: n = 11 drafts);
     check_depths  the depths (of the frontier checked; 1..max_depth - 1) at which H is tested - the paper checks
-                  only at a few draft steps. Defaults: placeholders until issue #14's threshold sweep (on the CPU
-                  testbed's head the frontier's H has a median of about -4.6 at depth 4 and -6.9 at depth 6).
+                  only at a few draft steps; which ones is our choice (4, 6, 8): the paper's text was not reachable
+                  from here, only its summary (the rule, the beam sum, n = 11).
+    These defaults are the engine's when nothing else is given; `echo-vllm bench hf` runs ddd at the threshold its
+    sweep chose on the tuning prompts (echo_vllm/bench/hf_tuned.json: -2 on the CPU testbed, where the frontier's
+    H has a median of about -4.6 at depth 4 and -6.9 at depth 6).
     """
 
     threshold: float = -4.0

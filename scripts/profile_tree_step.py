@@ -41,14 +41,28 @@ TIMED = [
     ("  tree_sampler", "echo_vllm.vllm.tree_sampler", "EchoTreeRejectionSampler._tree_forward"),
     ("  update_states_after", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner._update_states_after_model_execute"),
     ("    compact_tree_step", "echo_vllm.vllm.patches", "_compact_tree_step"),
+    ("  base_propose(vLLM loop)", "vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer.propose"),
     ("  propose(total)", "echo_vllm.vllm.proposer", "EchoProposer.propose"),
     ("    sample_draft_tokens", "echo_vllm.vllm.proposer", "EchoProposer._sample_draft_tokens"),
     ("    select", "echo_vllm.vllm.proposer", "EchoProposer._select"),
+    ("      chain_tree", "echo_vllm.vllm.proposer", "EchoProposer._chain_tree"),
+    ("      depth_confidence", "echo_vllm.vllm.proposer", "depth_confidence"),
+    ("      gates", "echo_vllm.vllm.proposer", "EchoProposer._gates"),
+    ("      capped_selection", "echo_vllm.vllm.proposer", "EchoProposer._capped_selection"),
     ("      budget.select", "echo_vllm.core.time_budget", "TimeAwareBudget.select"),
+    ("        select_auto", "echo_vllm.core.time_budget", "select_auto"),
+    ("        node_gain", "echo_vllm.core.acceptance", "AcceptanceModel.node_gain"),
+    ("      stats.record_selection", "echo_vllm.core.metrics", "EchoMetrics.record_selection"),
+    ("      stats.record_plan", "echo_vllm.core.metrics", "EchoMetrics.record_plan"),
+    ("      account", "echo_vllm.vllm.proposer", "EchoProposer._account"),
+    ("        prom.on_step", "echo_vllm.vllm.prom_metrics", "NullExporter.on_step"),
     ("      sibling_tree", "echo_vllm.vllm.proposer", "EchoProposer._sibling_tree"),
     ("      emit_trees", "echo_vllm.vllm.proposer", "EchoProposer._emit_trees"),
     ("      spine_first_order", "echo_vllm.vllm.proposer", "spine_first_order"),
     ("    observe_verification", "echo_vllm.vllm.proposer", "EchoProposer.observe_verification"),
+    ("      record_verification", "echo_vllm.core.metrics", "EchoMetrics.record_verification"),
+    ("      acceptance.record", "echo_vllm.core.acceptance", "AcceptanceModel.record"),
+    ("      budget.observe_verif", "echo_vllm.core.time_budget", "TimeAwareBudget.observe_verification"),
 ]
 
 _ACC: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
@@ -155,6 +169,7 @@ def child() -> int:
         },
         "missing": missing,
         "trees": (result.get("echo_stats") or {}).get("trees"),
+        "echo_stats": result.get("echo_stats"),
     }
     sys.stdout.write("PROFILE:" + json.dumps(report) + "\n")
     sys.stdout.flush()
@@ -167,7 +182,8 @@ def run_one(method: str, batch_size: int, args: argparse.Namespace, work: Path) 
     from echo_vllm.runtime_env import cpu_runtime_env
 
     ns = argparse.Namespace(
-        methods=method, eagle3_depths=[1], depth=4, top_k=4, k_max="auto", warmup_steps=16, profile_steps=24,
+        methods=method, eagle3_depths=[args.eagle3_depth], depth=4, top_k=4, k_max=args.k_max if args.k_max == "auto" else int(args.k_max), warmup_steps=16,
+        profile_steps=24,
         surplus_tail=True, dataset="humaneval", testbed=None, limit=args.limit, max_tokens=args.max_tokens,
         batch_sizes=[batch_size], rounds=1,
     )  # fmt: skip
@@ -197,15 +213,20 @@ def main() -> int:
     parser.add_argument("--limit", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--eagle3-depth", type=int, default=4, help="the depth of the eagle3 method")
+    parser.add_argument("--k-max", default="auto", help="k_max of the echo method (echo-auto/echo-tree: auto)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--work", type=Path, default=None, help="keep each job's files (step log, profile) here")
     parser.add_argument(
         "--all-steps", action="store_true", help="time the warm-up too (its profile phase drafts trees every step)"
     )
     args = parser.parse_args()
+    import contextlib
     import tempfile
 
     runs = []
-    with tempfile.TemporaryDirectory() as tmp:
+    keep = contextlib.nullcontext(str(args.work)) if args.work else tempfile.TemporaryDirectory()
+    with keep as tmp:
         for r in range(args.repeats):
             for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
                 methods = args.methods.split(",")

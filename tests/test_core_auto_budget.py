@@ -282,3 +282,24 @@ def test_nodes_off_the_spine_get_their_own_acceptance():
     assert torch.equal(own[0, tree.spine[0]], shared[0, tree.spine[0]])  # spine nodes unchanged
     assert own[0, 3] == pytest.approx(0.1, abs=0.03) and shared[0, 3] > 0.5  # the depth-2 sibling
     width.record_nodes(torch.empty(0, dtype=torch.long), torch.empty(0), torch.empty(0, dtype=torch.bool))  # no-op
+
+
+def test_this_steps_drafting_is_sunk_so_a_cut_saves_none_of_it():
+    """The selection runs after drafting: a shallower cut saves no drafting, so with every draft likely accepted
+    and verification free, the whole chain is verified however dear drafting is (charging draft(d) per cut depth
+    chose plain decoding here)."""
+    from echo_vllm.core.auto_budget import DraftPlan
+    from echo_vllm.core.cost_model import CostModel
+    from echo_vllm.core.time_budget import TimeAwareBudget
+
+    budget = TimeAwareBudget(3, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None)
+    budget.cost_model = CostModel((1.0, 2.0, 4.0, 8.0), (1.0, 1.0, 1.0, 1.0), 0.0, (0.0, 0.0, 1.0, 0.0), 0.0, 4)
+    budget.acceptance.table.fill_(0.9)
+    tree = _chains(torch.log(torch.tensor([[0.95, 0.95, 0.95]])))
+    selection, predicted = budget.select(tree, Gates.open(1, 3), 1, DraftPlan(3, 3, False), False, depth=3, chain=True)
+    assert selection.counts.tolist() == [3] and float(predicted) == pytest.approx(2.7)
+    # Verification that costs more than a draft is worth still cuts: the cut is priced by the tokens it verifies.
+    budget.cost_model = CostModel((1.0, 2.0, 4.0, 8.0), (1.0, 10.0, 20.0, 40.0), 0.0, (0.0, 0.0, 1.0, 0.0), 0.0, 4)
+    budget._curve_cache.clear()
+    selection, _ = budget.select(tree, Gates.open(1, 3), 1, DraftPlan(3, 3, False), False, depth=3, chain=True)
+    assert selection.counts.tolist() == [0]

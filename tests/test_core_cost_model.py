@@ -68,6 +68,28 @@ def test_tree_steps_extra_cost_is_recovered_and_travels():
     assert chains is not None and chains.tree_terms == pytest.approx((0.0, 0.0), abs=1e-4)
 
 
+def _draft_first_pass(batch, depth):
+    """The testbed's shape: the first draft pass (it also feeds the last step's accepted tokens) costs ~2.5x a
+    chained pass."""
+    return 0.0009 + 0.00002 * batch + (0.0009 + 0.00004 * batch if depth >= 1 else 0.0) + depth * 0.0006
+
+
+def test_first_pass_cost_is_recovered_and_deep_drafts_are_not_overpriced():
+    model = fit_cost_model(_samples(lambda n, b: 0.002 + 0.0003 * n, _draft_first_pass, noise=0.02))
+    assert model is not None and model.fit_error < 0.05
+    for batch in (1, 8, 32):
+        for depth in range(5):
+            assert model.draft_seconds(batch, depth) == pytest.approx(_draft_first_pass(batch, depth), rel=0.08)
+    f, g = model.first_pass_terms
+    assert f == pytest.approx(0.0009, rel=0.25) and g == pytest.approx(0.00004, rel=0.3)
+    assert CostModel.from_vector(model.to_vector()) == model
+    # The marginal depth costs a chained pass, not the first pass's share (the linear model's bias to shallow).
+    assert model.draft_seconds(1, 4) - model.draft_seconds(1, 3) == pytest.approx(0.0006, rel=0.15)
+    # Profiles written before the first-pass terms load as the linear model (zeros).
+    old_vector = model.to_vector()[:-2]
+    assert CostModel.from_vector(old_vector).first_pass_terms == (0.0, 0.0)
+
+
 def test_idle_gaps_do_not_move_the_fit():
     clean = fit_cost_model(_samples(lambda n, b: 0.002 + 0.0003 * n, _draft))
     dirty = fit_cost_model(_samples(lambda n, b: 0.002 + 0.0003 * n, _draft, outliers=15))
@@ -114,6 +136,11 @@ def test_profile_file_round_trip_and_default_path(tmp_path):
     cost, acc = load_profile(path, 4)
     assert cost == model
     assert torch.equal(acc.seen, acceptance.seen) and torch.equal(acc.accepted, acceptance.accepted)
+    # A profile written before the first-pass terms existed: the linear draft model (zeros).
+    raw = json.loads(path.read_text())
+    del raw["cost_model"]["first_pass_terms"]
+    path.write_text(json.dumps(raw))
+    assert load_profile(path, 4)[0].first_pass_terms == (0.0, 0.0)
     assert default_profile_path(str(tmp_path / "cal.json")) == tmp_path / "cal.budget.json"
     assert default_profile_path(None) is None
 

@@ -7,7 +7,9 @@ prefill chunks), B the number of running requests and d the draft depth drafted 
   rest(N, B)  = everything outside the proposer (scheduler, target forward, sampling and acceptance, host work):
                 a piecewise-linear, non-decreasing curve in N over power-of-two knots (flat below the hardware's
                 saturation knee on a GPU, about linear on a small CPU) plus a per-request term;
-  draft(B, d) = a + b B + d (c + e B): the drafter's first pass plus d - 1 chained passes at batch B.
+  draft(B, d) = a + b B + [d >= 1] (f + g B) + d (c + e B): the proposer's fixed work, the drafter's first
+                pass (which also feeds the accepted tokens of the last step: on the testbed it costs 2-3x a chained
+                pass, so a model linear in d overprices deep drafts) and d chained passes at batch B.
 A step that verifies a tree with W nodes off the spine (rows whose attention needs the tree mask) adds
   tree(W)     = t0 [W > 0] + t1 W: the tree step's fixed work (positions, masks, compaction) and the masked
                 attention per such row, which a step of N chain tokens does not pay.
@@ -32,6 +34,7 @@ import torch
 MAX_KNOT_EXPONENT = 16  # knots 1, 2, 4, ..., 65536 tokens: more than any step's max_num_batched_tokens here
 DRAFT_TERMS = 4  # a, b, c, e of draft(B, d)
 TREE_TERMS = 2  # t0, t1 of tree(W)
+FIRST_PASS_TERMS = 2  # f, g of draft(B, d): the step cost of drafting at all (d >= 1)
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,8 @@ def _robust_lstsq(x: torch.Tensor, y: torch.Tensor, ridge: torch.Tensor, passes:
 @dataclass(frozen=True)
 class CostModel:
     """rest(N, B) over `knots` (seconds per knot, non-decreasing) + `per_request_s` x B; draft terms (a, b, c, e);
-    tree terms (t0, t1) of a step verifying W > 0 nodes off the spine.
+    tree terms (t0, t1) of a step verifying W > 0 nodes off the spine; first-pass terms (f, g) of a step that
+    drafts at all (absent from profiles written before them: 0, the old linear model).
 
     fit_error: median relative error |predicted - observed| / observed of the step time over the fitted samples.
     """
@@ -117,15 +121,20 @@ class CostModel:
     fit_error: float
     num_samples: int
     tree_terms: tuple[float, float] = (0.0, 0.0)
+    first_pass_terms: tuple[float, float] = (0.0, 0.0)
 
     def __post_init__(self) -> None:
         if len(self.knots) < 2 or len(self.knots) != len(self.rest_s):
             raise ValueError("a cost model needs >= 2 knots and one rest time per knot")
         if any(b <= a for a, b in zip(self.knots, self.knots[1:])):
             raise ValueError("cost model knots must be strictly increasing")
-        values = [*self.rest_s, self.per_request_s, *self.draft_terms, *self.tree_terms]
-        if len(self.draft_terms) != DRAFT_TERMS or len(self.tree_terms) != TREE_TERMS:
-            raise ValueError("a cost model has 4 draft terms and 2 tree terms")
+        values = [*self.rest_s, self.per_request_s, *self.draft_terms, *self.tree_terms, *self.first_pass_terms]
+        if (
+            len(self.draft_terms) != DRAFT_TERMS
+            or len(self.tree_terms) != TREE_TERMS
+            or len(self.first_pass_terms) != FIRST_PASS_TERMS
+        ):
+            raise ValueError("a cost model has 4 draft terms, 2 tree terms and 2 first-pass terms")
         if not all(math.isfinite(v) and v >= 0 for v in values):
             raise ValueError("cost model times must be finite and >= 0")
 
@@ -147,7 +156,9 @@ class CostModel:
 
     def draft_seconds(self, batch: int, draft_depth: int) -> float:
         a, b, c, e = self.draft_terms
-        return a + b * batch + draft_depth * (c + e * batch)
+        f, g = self.first_pass_terms
+        first = f + g * batch if draft_depth >= 1 else 0.0
+        return a + b * batch + first + draft_depth * (c + e * batch)
 
     def step_seconds(self, num_tokens: float, batch: int, draft_depth: int) -> float:
         rest = float(self.rest_seconds(torch.tensor([float(num_tokens)]), batch)[0])
@@ -156,7 +167,8 @@ class CostModel:
     # -- transport (TP broadcast) -----------------------------------------------------------------------------
 
     def to_vector(self) -> list[float]:
-        """Flat floats: [K, knots..., rest..., per_request, draft terms..., fit_error, num_samples, tree terms...]."""
+        """Flat floats: [K, knots..., rest..., per_request, draft terms..., fit_error, num_samples, tree terms...,
+        first-pass terms...]."""
         return [
             float(len(self.knots)),
             *self.knots,
@@ -166,6 +178,7 @@ class CostModel:
             self.fit_error,
             float(self.num_samples),
             *self.tree_terms,
+            *self.first_pass_terms,
         ]
 
     @classmethod
@@ -176,11 +189,12 @@ class CostModel:
         tail = [float(x) for x in vector[1 + 2 * k :]]
         draft = (tail[1], tail[2], tail[3], tail[4])
         tree = (tail[7], tail[8]) if len(tail) >= 9 else (0.0, 0.0)
-        return cls(knots, rest, tail[0], draft, tail[5], int(tail[6]), tree)
+        first = (tail[9], tail[10]) if len(tail) >= 11 else (0.0, 0.0)
+        return cls(knots, rest, tail[0], draft, tail[5], int(tail[6]), tree, first)
 
 
 def vector_length(num_knots: int) -> int:
-    return 1 + 2 * num_knots + 1 + DRAFT_TERMS + 2 + TREE_TERMS
+    return 1 + 2 * num_knots + 1 + DRAFT_TERMS + 2 + TREE_TERMS + FIRST_PASS_TERMS
 
 
 def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> CostModel | None:
@@ -213,8 +227,10 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
     per_request = max(0.0, float(v[k]))
     tree = (max(0.0, float(v[k + 1])), max(0.0, float(v[k + 2])))
 
-    x_draft = torch.stack([torch.ones_like(batch), batch, depth, depth * batch], dim=1)
-    w = _robust_lstsq(x_draft, draft, 1e-9 * torch.eye(DRAFT_TERMS, dtype=torch.float64))
+    drafts = (depth >= 1).to(torch.float64)
+    x_draft = torch.stack([torch.ones_like(batch), batch, depth, depth * batch, drafts, drafts * batch], dim=1)
+    num_terms = DRAFT_TERMS + FIRST_PASS_TERMS
+    w = _robust_lstsq(x_draft, draft, 1e-9 * len(rows) * torch.eye(num_terms, dtype=torch.float64))
     terms = tuple(max(0.0, float(t)) for t in w)
 
     predicted = (
@@ -233,4 +249,5 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
         error,
         len(rows),
         tree,
+        (terms[4], terms[5]),
     )

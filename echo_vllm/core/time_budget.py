@@ -74,7 +74,7 @@ class TimeAwareBudget:
             self.source = f"file {profile_path}"
         self.profile_done = 0
         self.steps_seen = 0
-        self._curve_cache: dict[tuple[int, int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._curve_cache: dict[tuple[int, int, int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- per step ---------------------------------------------------------------------------------------------
 
@@ -122,7 +122,7 @@ class TimeAwareBudget:
             rank, eligible = priority_rank(tree, gates, self.surplus_tail)
             fraction = PROFILE_FRACTIONS[(self.profile_done - 1) % len(PROFILE_FRACTIONS)]
             return select_by_rank(tree, rank, eligible, (eligible.sum() * fraction).floor().long()), None
-        rest_s, draft_s = self._curves(batch, tree.scores.numel(), depth, tree.scores.device)
+        rest_s, draft_s = self._curves(batch, tree.scores.numel(), depth, plan.depth, tree.scores.device)
         auto = select_auto(
             tree,
             gates,
@@ -137,16 +137,23 @@ class TimeAwareBudget:
         )
         return auto.selection, auto.choice.predicted_accepted
 
-    def _curves(self, batch: int, num_nodes: int, depth: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cost model's seconds for k = 0..num_nodes verified drafts and drafting to depth 0..depth at `batch`,
-        on `device`; cached per shape until the next refit (most steps repeat the last step's shape)."""
-        key = (batch, num_nodes, depth, str(device))
+    def _curves(
+        self, batch: int, num_nodes: int, depth: int, planned_depth: int, device: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cost model's seconds for k = 0..num_nodes verified drafts at `batch`, and the drafting charged to a
+        cut at depth 0..depth, on `device`; cached per shape until the next refit (most steps repeat the last).
+
+        The drafting charged is the same for every cut: the next step's, at the planned depth. This step's drafts
+        are already drafted when the selection runs (sunk: a shallower cut saves none of it), and what the next
+        step drafts is the plan's choice, whatever this step verifies. (Charging draft(d) per cut depth d priced
+        each cut as if its drafting could still be saved, which cut chains short.)"""
+        key = (batch, num_nodes, depth, planned_depth, str(device))
         cached = self._curve_cache.get(key)
         if cached is None:
             cost = self.cost_model
             assert cost is not None
             sizes = batch + torch.arange(num_nodes + 1, dtype=torch.float64)
-            draft = torch.tensor([cost.draft_seconds(batch, d) for d in range(depth + 1)], dtype=torch.float64)
+            draft = torch.full((depth + 1,), cost.draft_seconds(batch, planned_depth), dtype=torch.float64)
             cached = (cost.rest_seconds(sizes, batch).to(device), draft.to(device))
             if len(self._curve_cache) > 256:  # batch sizes churn under load: keep the cache small
                 self._curve_cache.clear()

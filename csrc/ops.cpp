@@ -108,6 +108,11 @@ TORCH_LIBRARY(echo, m) {
       "Tensor context_len, Tensor fix_rows, Tensor fix_req, Tensor fix_bits, float scale, float softcap, "
       "Tensor(a!) output) -> ()");
   m.def("tree_kv_compact(Tensor(a!) kv_cache, Tensor kmap, Tensor vmap, Tensor src_slots, Tensor dst_slots) -> ()");
+  // A chain step's gates, order and budget cut in one call (chain_cpu.cpp; caller: echo_vllm.ops.chain).
+  m.def(
+      "chain_select(Tensor scores, Tensor valid, Tensor confidence, Tensor gate_on, Tensor tau, Tensor gain_table, "
+      "Tensor rest, Tensor draft, float base_tokens, int k_cap, int k_min, bool surplus_tail) -> (Tensor counts, "
+      "Tensor depth_cap, Tensor truncated, Tensor predicted)");
 }
 
 // ---- Python module stub: importing echo_vllm._C loads the library and runs the registrations above. ----

@@ -23,6 +23,12 @@ DEFAULT_BINS = 16
 DEFAULT_PRIOR_STRENGTH = 4.0
 
 
+def confidence_bins(confidence: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """The table column of each confidence: floor(c x bins) of c clamped to [0, 1] (NaN: 0), the top bin closed."""
+    c = torch.nan_to_num(confidence.to(torch.float32), nan=0.0).clamp(0.0, 1.0)
+    return (c * num_bins).long().clamp(max=num_bins - 1)
+
+
 class AcceptanceModel:
     def __init__(
         self,
@@ -44,8 +50,7 @@ class AcceptanceModel:
         self.table = self.centres.to(torch.float32).expand(max_depth, num_bins).clone()
 
     def _bins(self, confidence: torch.Tensor) -> torch.Tensor:
-        c = torch.nan_to_num(confidence.to(torch.float32), nan=0.0).clamp(0.0, 1.0)
-        return (c * self.num_bins).long().clamp(max=self.num_bins - 1)
+        return confidence_bins(confidence, self.num_bins)
 
     def record(self, confidence: torch.Tensor, accepted: torch.Tensor, recorded: torch.Tensor) -> None:
         """Add samples: confidence, accepted, recorded [B, D] (recorded = the depth was verified for the row)."""

@@ -122,7 +122,7 @@ class TimeAwareBudget:
             rank, eligible = priority_rank(tree, gates, self.surplus_tail)
             fraction = PROFILE_FRACTIONS[(self.profile_done - 1) % len(PROFILE_FRACTIONS)]
             return select_by_rank(tree, rank, eligible, (eligible.sum() * fraction).floor().long()), None
-        rest_s, draft_s = self._curves(batch, tree.scores.numel(), depth, plan.depth, tree.scores.device)
+        rest_s, draft_s = self.curves(batch, tree.scores.numel(), depth, plan.depth, tree.scores.device)
         auto = select_auto(
             tree,
             gates,
@@ -137,7 +137,7 @@ class TimeAwareBudget:
         )
         return auto.selection, auto.choice.predicted_accepted
 
-    def _curves(
+    def curves(
         self, batch: int, num_nodes: int, depth: int, planned_depth: int, device: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The cost model's seconds for k = 0..num_nodes verified drafts at `batch`, and the drafting charged to a

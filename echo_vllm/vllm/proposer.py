@@ -44,6 +44,7 @@ from echo_vllm.core.auto_budget import DraftPlan, drafting_can_stop
 from echo_vllm.core.budget import BudgetSelection, add_surplus_tails, compact_selection
 from echo_vllm.core.budget_profile import default_profile_path
 from echo_vllm.core.calibration import Calibration, CalibrationRecorder, calibrate
+from echo_vllm.core.chain_select import chain_inputs
 from echo_vllm.core.cost_model import StepSample
 from echo_vllm.core.gating import Gates, depth_confidence
 from echo_vllm.core.metrics import EchoMetrics
@@ -51,6 +52,7 @@ from echo_vllm.core.time_budget import TimeAwareBudget
 from echo_vllm.core.tree import DraftTree, topk_stable
 from echo_vllm.core.tree_order import SpineFirstOrder, spine_first_order, spine_sibling_tree
 from echo_vllm.ops import select_budget
+from echo_vllm.ops.chain import chain_select, compiled_chain_select
 from echo_vllm.vllm import instance_attrs, prom_metrics
 from echo_vllm.vllm import spec as echo_spec
 from echo_vllm.vllm.faults import guard_from_env
@@ -166,6 +168,7 @@ class EchoProposer(EagleProposer):
         # Fixed-layout chain tree tensors (top_k = 1).
         d = self.max_depth
         self._depth = torch.arange(1, d + 1, dtype=torch.int32, device=device)
+        self._no_seconds = torch.empty(0, dtype=torch.float64, device=device)  # chain_select's fixed rule
         self._parent = torch.arange(-1, d - 1, dtype=torch.int32, device=device)
         # What this step's drafts were drafted from, read back when their verification result arrives.
         self._pending: PendingVerification | None = None
@@ -478,29 +481,38 @@ class EchoProposer(EagleProposer):
                 self.prom.on_step(self, [0] * batch, 0)
             return [[] for _ in range(batch)]
         logps = torch.stack(self._echo_logps[-depth:], dim=1)[:batch]  # [B, depth]
-        tree = self._sibling_tree(batch, depth) if self._tree_step else self._chain_tree(drafts, logps)
         self._stage = "gates"
         self.faults.maybe_inject("gates")
-        confidence = depth_confidence(tree)
-        gates = self._gates(confidence)
-        self._stage = "select"
-        self.faults.maybe_inject("select")
         cap = self._plan.k_cap
-        selection, predicted = (
-            self.budget.select(tree, gates, batch, self._plan, self.warming_up, depth=depth, chain=not self._tree_step)
-            if self.budget is not None
-            else (None, None)
-        )
-        if selection is None:
-            selection = self._capped_selection(tree, gates, cap)
+        tree: DraftTree | None = None
+        selection: BudgetSelection | None = None
+        if not self._tree_step and self.phase != "profile" and compiled_chain_select(drafts.device):
+            counts_t, confidence, depth_cap, truncated, predicted = self._fused_chain_selection(logps, batch, depth)
+        else:
+            tree = self._sibling_tree(batch, depth) if self._tree_step else self._chain_tree(drafts, logps)
+            confidence = depth_confidence(tree)
+            gates = self._gates(confidence)
+            self._stage = "select"
+            self.faults.maybe_inject("select")
+            selection, predicted = (
+                self.budget.select(
+                    tree, gates, batch, self._plan, self.warming_up, depth=depth, chain=not self._tree_step
+                )
+                if self.budget is not None
+                else (None, None)
+            )
+            if selection is None:
+                selection = self._capped_selection(tree, gates, cap)
+            counts_t, depth_cap, truncated = selection.counts, gates.depth_cap, gates.truncated
 
         req_ids = list(self._runner.input_batch.req_ids[:batch]) if self._runner is not None else []
         listed = None
         if self._tree_step:
+            assert selection is not None and tree is not None
             counts, ragged, listed = self._emit_trees(selection, tree, req_ids)
         else:
             # The one host sync of the step: the ragged drafts must reach the scheduler as Python lists.
-            counts = selection.counts.tolist()
+            counts = counts_t.tolist()
             tokens = drafts.tolist()
             ragged = [row[:c] for row, c in zip(tokens, counts)]
         padded = torch.zeros((batch, self.max_depth), dtype=confidence.dtype, device=confidence.device)
@@ -515,12 +527,44 @@ class EchoProposer(EagleProposer):
         step_sum = sum(counts)
         if self.k_max is not None and step_sum > self.k_max:  # select_budget guarantees this; never silent
             raise AssertionError(f"ECHO budget violated: sum of drafts {step_sum} > k_max {self.k_max}")
-        self.stats.record_selection(selection.counts, cap, gates.depth_cap, gates.truncated)  # no sync
+        self.stats.record_selection(counts_t, cap, depth_cap, truncated)  # no sync
         self.stats.record_plan(depth, predicted)
         if self.budget is not None:
             self.budget.observe_selection(step_sum)
         self._account(counts, batch, ragged)
         return ragged
+
+    def _fused_chain_selection(
+        self, logps: torch.Tensor, batch: int, depth: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A chain step's gates and budget in one op call (`echo::chain_select`; the same selection as the torch
+        path of `_select`, tested bit for bit): (counts, confidence, depth_cap, truncated, predicted or None)."""
+        inputs = chain_inputs(logps, self._kept_rows(batch))
+        gate_on, tau = self._gate_tensors(logps.device)
+        self._stage = "select"
+        self.faults.maybe_inject("select")
+        plan, budget, tail = self._plan, self.budget, self.echo_settings.surplus_tail
+        if budget is not None and budget.phase(self.warming_up) == "auto":
+            rest, draft = budget.curves(batch, batch * depth, depth, plan.depth, logps.device)
+            k_min = batch if plan.probe else 0
+            result = chain_select(
+                inputs, gate_on, tau, budget.acceptance.table, rest, draft,
+                base_tokens=float(batch), k_cap=plan.k_cap, k_min=k_min, surplus_tail=tail,
+            )  # fmt: skip
+            return result.counts, inputs.confidence, result.depth_cap, result.truncated, result.predicted
+        # An integer k_max, or the warm-up of "auto" (its cap): the first k_cap candidates.
+        none = self._no_seconds
+        result = chain_select(
+            inputs, gate_on, tau, None, none, none, base_tokens=float(batch), k_cap=plan.k_cap, surplus_tail=tail
+        )
+        return result.counts, inputs.confidence, result.depth_cap, result.truncated, None
+
+    def _gate_tensors(self, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_on [D], tau [D]) of the calibration; no calibration (warm-up): no gate anywhere."""
+        if self.calibration is not None:
+            return self.calibration.gate_tensors(device)
+        d = self.max_depth
+        return torch.zeros(d, dtype=torch.bool, device=device), torch.full((d,), float("inf"), device=device)
 
     def _sibling_tree(self, batch: int, depth: int) -> DraftTree:
         """The spine and its sibling leaves from the per-depth top-k kept while drafting (depth-major layout)."""

@@ -1,0 +1,207 @@
+// echo::chain_select (CPU): one chain step's gates, ECHO order and budget cut in one call.
+//
+// The vLLM proposer's chain steps (top_k = 1) ran this as ~60 small torch ops (gates, priority rank, node gains,
+// the rate table of choose_budget, the compaction): ~1 ms of host time per step on a 2-core CPU, 10 % of a step
+// at batch 1. Twin of the composition in echo_vllm/core/chain_select.py (`chain_select_reference`), which is the
+// specification and the fallback; the tests compare the two bit for bit on random inputs.
+//
+// Inputs ([B, d] drafted chains, D = max depth >= d):
+//   scores [B, d] f32     cumulative draft log-probs (path scores)
+//   valid [B, d] bool     finite score and the row's drafts are kept
+//   confidence [B, d] f32 exp(score) where valid, else 0 (torch computes it: its exp is the reference's)
+//   gate_on [D] bool, tau [D] f32: the calibrated gates (all off: no gates); depths > d count as open
+//   gain_table [D, bins] f32 or empty: the acceptance table (empty: the fixed rule, the first k_cap candidates)
+//   rest [B * d + 1] f64, draft [d + 1] f64: the cost model's seconds (see core/auto_budget.choose_budget)
+// Outputs: counts [B] i32 (each row's selection is a prefix of its chain), depth_cap [B] i32, truncated [B]
+// bool, predicted [] f64 (expected accepted drafts of the selection; 0 under the fixed rule).
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <tuple>
+#include <vector>
+
+namespace echo {
+namespace {
+
+constexpr int32_t kClassDepth = 0;
+constexpr int32_t kClassTail = 2;
+constexpr int32_t kClassNone = 3;
+
+void check(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor; got ", t.device());
+  TORCH_CHECK_VALUE(t.dim() == dim, name, " must have ", dim, " dims; got shape ", t.sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must be ", dtype, "; got ", t.scalar_type());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> chain_select_cpu(
+    const at::Tensor& scores_in, const at::Tensor& valid_in, const at::Tensor& confidence_in,
+    const at::Tensor& gate_on_in, const at::Tensor& tau_in, const at::Tensor& gain_table_in, const at::Tensor& rest_in,
+    const at::Tensor& draft_in, double base_tokens, int64_t k_cap, int64_t k_min, bool surplus_tail) {
+  check(scores_in, "scores", at::kFloat, 2);
+  check(valid_in, "valid", at::kBool, 2);
+  check(confidence_in, "confidence", at::kFloat, 2);
+  check(gate_on_in, "gate_on", at::kBool, 1);
+  check(tau_in, "tau", at::kFloat, 1);
+  check(rest_in, "rest", at::kDouble, 1);
+  check(draft_in, "draft", at::kDouble, 1);
+  const int64_t batch = scores_in.size(0), depth = scores_in.size(1), max_depth = gate_on_in.size(0);
+  TORCH_CHECK_VALUE(valid_in.sizes() == scores_in.sizes() && confidence_in.sizes() == scores_in.sizes(),
+                    "valid and confidence must have the shape of scores ", scores_in.sizes());
+  TORCH_CHECK_VALUE(tau_in.size(0) == max_depth && depth <= max_depth, "gate_on and tau must be [D] with D >= d = ",
+                    depth, "; got ", gate_on_in.sizes(), " and ", tau_in.sizes());
+  const bool fixed = gain_table_in.numel() == 0;
+  int64_t bins = 0;
+  if (!fixed) {
+    check(gain_table_in, "gain_table", at::kFloat, 2);
+    TORCH_CHECK_VALUE(gain_table_in.size(0) == max_depth && gain_table_in.size(1) >= 1,
+                      "gain_table must be [D, bins] with D = ", max_depth, "; got ", gain_table_in.sizes());
+    bins = gain_table_in.size(1);
+    TORCH_CHECK_VALUE(rest_in.size(0) == batch * depth + 1, "rest must be [B * d + 1] = [", batch * depth + 1,
+                      "]; got ", rest_in.sizes());
+    TORCH_CHECK_VALUE(draft_in.size(0) == depth + 1, "draft must be [d + 1] = [", depth + 1, "]; got ",
+                      draft_in.sizes());
+  }
+  TORCH_CHECK_VALUE(k_cap >= 0 && k_min >= 0, "k_cap and k_min must be >= 0; got ", k_cap, " and ", k_min);
+
+  at::Tensor counts_t = at::zeros({batch}, scores_in.options().dtype(at::kInt));
+  at::Tensor cap_t = at::full({batch}, max_depth, scores_in.options().dtype(at::kInt));
+  at::Tensor trunc_t = at::zeros({batch}, scores_in.options().dtype(at::kBool));
+  at::Tensor predicted_t = at::zeros({}, scores_in.options().dtype(at::kDouble));
+  if (batch == 0 || depth == 0) return {counts_t, cap_t, trunc_t, predicted_t};
+
+  const at::Tensor scores_t = scores_in.contiguous(), valid_t = valid_in.contiguous();
+  const at::Tensor conf_t = confidence_in.contiguous(), gate_t = gate_on_in.contiguous(), tau_t = tau_in.contiguous();
+  const float* scores = scores_t.data_ptr<float>();
+  const bool* valid = valid_t.data_ptr<bool>();
+  const float* conf = conf_t.data_ptr<float>();
+  const bool* gate_on = gate_t.data_ptr<bool>();
+  const float* tau = tau_t.data_ptr<float>();
+
+  int32_t* counts = counts_t.data_ptr<int32_t>();
+  int32_t* depth_cap = cap_t.data_ptr<int32_t>();
+  bool* truncated = trunc_t.data_ptr<bool>();
+
+  // Gates (core.gating.gate_caps): the shallowest closed gate truncates after its depth; undrafted depths are
+  // open (confidence +inf), NaN closes (NaN >= tau is false).
+  for (int64_t b = 0; b < batch; ++b) {
+    int32_t cap = static_cast<int32_t>(max_depth);
+    bool closed_any = false;
+    for (int64_t j = 0; j < max_depth; ++j) {
+      const float c = j < depth ? conf[b * depth + j] : std::numeric_limits<float>::infinity();
+      if (gate_on[j] && !(c >= tau[j])) {
+        cap = static_cast<int32_t>(j + 1);
+        closed_any = true;
+        break;
+      }
+    }
+    depth_cap[b] = cap;
+    truncated[b] = closed_any;
+  }
+
+  // ECHO's order (core.auto_budget.priority_rank): depth candidates, then (surplus_tail) the tails of truncated
+  // requests; within a class path score descending, depth ascending, flat index ascending. Ineligible nodes rank
+  // after every eligible one and are never selected, so only the eligible ones are sorted.
+  const int64_t num_nodes = batch * depth;
+  std::vector<int32_t> prio(num_nodes, kClassNone);
+  std::vector<int64_t> order;
+  order.reserve(num_nodes);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t j = 0; j < depth; ++j) {
+      const int64_t n = b * depth + j;
+      const float s = scores[n];
+      if (!valid[n] || s != s) continue;
+      if (j + 1 <= depth_cap[b]) {
+        prio[n] = kClassDepth;
+      } else if (surplus_tail && truncated[b]) {
+        prio[n] = kClassTail;
+      } else {
+        continue;
+      }
+      order.push_back(n);
+    }
+  }
+  // +0.0 folds -0.0 (C++ compares them equal already); NaN never reaches here.
+  std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+    if (prio[x] != prio[y]) return prio[x] < prio[y];
+    if (scores[x] != scores[y]) return scores[x] > scores[y];
+    const int64_t dx = x % depth, dy = y % depth;
+    if (dx != dy) return dx < dy;
+    return x < y;
+  });
+  const int64_t eligible = static_cast<int64_t>(order.size());
+
+  if (fixed) {  // the first k_cap candidates (select_by_rank)
+    const int64_t take = std::min<int64_t>(k_cap, eligible);
+    for (int64_t i = 0; i < take; ++i) counts[order[i] / depth] += 1;
+    return {counts_t, cap_t, trunc_t, predicted_t};
+  }
+
+  // Node gains (AcceptanceModel.node_gain, chain=True): the table at (depth, bin of the confidence), 0 for unusable
+  // nodes, then a running minimum along each chain. float32 as the reference.
+  const at::Tensor table_t = gain_table_in.contiguous();
+  const float* table = table_t.data_ptr<float>();
+  std::vector<float> gain(num_nodes, 0.0f);
+  for (int64_t b = 0; b < batch; ++b) {
+    float running = std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < depth; ++j) {
+      const int64_t n = b * depth + j;
+      float p = 0.0f;
+      if (valid[n] && scores[n] == scores[n]) {
+        float c = conf[n];
+        c = c != c ? 0.0f : std::min(std::max(c, 0.0f), 1.0f);
+        const int64_t bin = std::min<int64_t>(static_cast<int64_t>(c * static_cast<float>(bins)), bins - 1);
+        const int64_t row = std::min<int64_t>(std::max<int64_t>(j, 0), max_depth - 1);
+        p = table[row * bins + bin];
+      }
+      running = std::min(running, p);
+      gain[n] = running;
+    }
+  }
+
+  // The rate table (core.auto_budget.choose_budget): for every cut depth l = 0..d and every prefix of the order,
+  // (base + sum of gains) / (rest(count) + draft(l)); plain decoding first, the first maximum wins.
+  const at::Tensor rest_t = rest_in.contiguous(), draft_t = draft_in.contiguous();
+  const double* rest = rest_t.data_ptr<double>();
+  const double* draft = draft_t.data_ptr<double>();
+  const double neg_inf = -std::numeric_limits<double>::infinity();
+  double best = k_min > 0 ? neg_inf : base_tokens / std::max(rest[0] + draft[0], 1e-12);
+  int64_t best_level = -1, best_pos = -1;
+  double best_gain = 0.0;
+  for (int64_t level = 0; level <= depth; ++level) {
+    double cum_gain = 0.0;
+    int64_t count = 0;
+    const double denom_draft = draft[level];
+    for (int64_t pos = 0; pos < eligible; ++pos) {
+      const int64_t n = order[pos];
+      if (n % depth + 1 > level) continue;  // deeper than the cut: masked out (rate -inf)
+      cum_gain += static_cast<double>(gain[n]);
+      ++count;
+      if (count > k_cap || count < k_min) continue;
+      const double rate = (base_tokens + cum_gain) / std::max(rest[count] + denom_draft, 1e-12);
+      if (rate > best) {
+        best = rate;
+        best_level = level;
+        best_pos = pos;
+        best_gain = cum_gain;
+      }
+    }
+  }
+  if (best_level >= 0) {
+    for (int64_t pos = 0; pos <= best_pos; ++pos) {
+      const int64_t n = order[pos];
+      if (n % depth + 1 <= best_level) counts[n / depth] += 1;
+    }
+    predicted_t.fill_(best_gain);
+  }
+  return {counts_t, cap_t, trunc_t, predicted_t};
+}
+
+}  // namespace
+}  // namespace echo
+
+TORCH_LIBRARY_IMPL(echo, CPU, m) { m.impl("chain_select", &echo::chain_select_cpu); }

@@ -1,0 +1,121 @@
+"""One chain step's gates, ECHO order and budget cut, from the drafted chains' path scores: the specification of
+the fused CPU op `echo::chain_select` (csrc/chain_cpu.cpp, called through `echo_vllm.ops.chain`).
+
+`chain_select_reference` is the composition the vLLM proposer runs for chains (top_k = 1) without the op: the
+chain as a DraftTree, `gate_caps` on the depth confidences (undrafted depths open), `priority_rank`, and either
+the fixed rule (the first `k_cap` candidates: `select_by_rank`, which equals `select_budget` + `add_surplus_tails`)
+or the time-aware cut (`select_auto` with the acceptance table's chain gains). The op must return the same
+tensors bit for bit (tests/test_chain_select.py); it exists because the composition is ~60 small torch ops, about
+1 ms of host time per step on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .acceptance import confidence_bins
+from .auto_budget import priority_rank, select_auto, select_by_rank
+from .gating import Gates
+from .tree import DraftTree
+
+
+class ChainInputs(NamedTuple):
+    scores: torch.Tensor  # [B, d] float32 cumulative draft log-probs
+    valid: torch.Tensor  # [B, d] bool: finite score and the row's drafts are kept
+    confidence: torch.Tensor  # [B, d] float32 exp(score) where valid, else 0 (= the chain's depth confidence)
+
+
+class ChainSelection(NamedTuple):
+    counts: torch.Tensor  # [B] int32 K_i: request i verifies the first K_i drafts of its chain
+    depth_cap: torch.Tensor  # [B] int32 the gates' cap (D when no gate closed)
+    truncated: torch.Tensor  # [B] bool a gate closed
+    predicted: torch.Tensor  # [] float64 expected accepted drafts of the cut (0 under the fixed rule)
+
+
+def chain_inputs(logps: torch.Tensor, kept: torch.Tensor) -> ChainInputs:
+    """From the draft log-probs [B, d] and the rows whose drafts vLLM keeps [B]: what both implementations read
+    (computed here with torch: its cumsum and exp are the reference's)."""
+    scores = torch.cumsum(logps.to(torch.float32), dim=1)
+    valid = torch.isfinite(scores) & kept.to(torch.bool).unsqueeze(1)
+    confidence = torch.exp(torch.where(valid, scores, torch.full_like(scores, float("-inf"))))
+    return ChainInputs(scores.contiguous(), valid.contiguous(), confidence.contiguous())
+
+
+def chain_tree(scores: torch.Tensor, valid: torch.Tensor) -> DraftTree:
+    """The chains as a depth-major DraftTree (top_k = 1; tokens are not needed by the selection)."""
+    batch, depth = scores.shape
+    device = scores.device
+    node_depth = torch.arange(1, depth + 1, dtype=torch.int32, device=device).expand(batch, depth).contiguous()
+    return DraftTree(
+        tokens=torch.zeros((batch, depth), dtype=torch.int64, device=device),
+        scores=scores,
+        parent=(node_depth - 2).contiguous(),
+        depth=node_depth,
+        valid=valid,
+        spine=torch.ones((batch, depth), dtype=torch.bool, device=device),
+    )
+
+
+def chain_gates(confidence: torch.Tensor, gate_on: torch.Tensor, tau: torch.Tensor) -> Gates:
+    """`gate_caps` over D = len(gate_on) depths, the depths beyond the drafted ones open (+inf confidence)."""
+    batch, depth = confidence.shape
+    max_depth = gate_on.numel()
+    padded = torch.cat(
+        [confidence, torch.full((batch, max_depth - depth), float("inf"), device=confidence.device)], dim=1
+    )
+    closed = gate_on.unsqueeze(0) & ~(padded >= tau.unsqueeze(0))
+    depths = torch.arange(1, max_depth + 1, dtype=torch.int32, device=confidence.device).expand(batch, max_depth)
+    first_closed = torch.where(closed, depths, torch.full_like(depths, max_depth + 1)).amin(dim=1)
+    truncated = closed.any(dim=1)
+    depth_cap = torch.where(truncated, first_closed, torch.full_like(first_closed, max_depth)).to(torch.int32)
+    return Gates(depth_cap, truncated, torch.ones_like(truncated))  # chains have no width to widen
+
+
+def chain_gains(confidence: torch.Tensor, valid: torch.Tensor, gain_table: torch.Tensor) -> torch.Tensor:
+    """`AcceptanceModel.node_gain(chain=True)` from the table: P(accepted) at (depth, confidence bin), 0 for
+    invalid nodes, capped by the parent's (a running minimum along the chain)."""
+    max_depth, num_bins = gain_table.shape
+    depth = confidence.shape[1]
+    rows = torch.arange(depth, device=confidence.device).clamp(max=max_depth - 1).expand_as(confidence)
+    p = gain_table.to(confidence.device)[rows, confidence_bins(confidence, num_bins)]
+    p = torch.where(valid, p, torch.zeros_like(p))
+    return torch.cummin(p, dim=1).values
+
+
+def chain_select_reference(
+    inputs: ChainInputs,
+    gate_on: torch.Tensor,
+    tau: torch.Tensor,
+    gain_table: torch.Tensor | None,
+    rest_seconds: torch.Tensor,
+    draft_seconds: torch.Tensor,
+    *,
+    base_tokens: float,
+    k_cap: int,
+    k_min: int,
+    surplus_tail: bool,
+) -> ChainSelection:
+    """gain_table None: the fixed rule (first k_cap candidates); else the time-aware cut (see module docstring)."""
+    scores, valid, confidence = inputs
+    tree = chain_tree(scores, valid)
+    gates = chain_gates(confidence, gate_on, tau)
+    if gain_table is None:
+        rank, eligible = priority_rank(tree, gates, surplus_tail)
+        selection = select_by_rank(tree, rank, eligible, k_cap)
+        predicted = torch.zeros((), dtype=torch.float64, device=scores.device)
+    else:
+        auto = select_auto(
+            tree,
+            gates,
+            chain_gains(confidence, valid, gain_table),
+            rest_seconds,
+            draft_seconds,
+            base_tokens=base_tokens,
+            k_cap=k_cap,
+            surplus_tail=surplus_tail,
+            k_min=k_min,
+        )
+        selection, predicted = auto.selection, auto.choice.predicted_accepted.to(torch.float64)
+    return ChainSelection(selection.counts, gates.depth_cap, gates.truncated, predicted)

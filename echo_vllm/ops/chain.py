@@ -1,0 +1,77 @@
+"""`chain_select`: the fused CPU op for a chain step's gates and budget cut (csrc/chain_cpu.cpp), with the torch
+composition `echo_vllm.core.chain_select.chain_select_reference` as the specification and the fallback (no
+extension, one built before this op, a non-CPU device, or ECHO_VLLM_CHAIN_TORCH=1 for A/B runs; logged once).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from echo_vllm import ops as _ops
+from echo_vllm.core.chain_select import ChainInputs, ChainSelection, chain_select_reference
+
+TORCH_PATH_ENV = "ECHO_VLLM_CHAIN_TORCH"
+_LOG = logging.getLogger("echo_vllm")
+_logged = False
+_NO_TABLE = torch.empty(0, dtype=torch.float32)
+
+
+def _defined() -> bool:
+    if _ops._C is None:
+        return False
+    try:
+        torch.ops.echo.chain_select  # noqa: B018 - resolving the overload packet is the check
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+_DEFINED = _defined()
+
+
+def compiled_chain_select(device: torch.device) -> bool:
+    """Whether the compiled op serves `device` now (else the torch composition; the reason is logged once)."""
+    global _logged
+    if device.type == "cpu" and _DEFINED and os.environ.get(TORCH_PATH_ENV) != "1":
+        return True
+    if not _logged:
+        _logged = True
+        if device.type != "cpu":
+            why = f"no {device.type} kernel"
+        elif not _DEFINED:
+            why = _ops._LOAD_ERROR or "echo_vllm._C predates chain_select (rebuild: `make install`)"
+        else:
+            why = f"{TORCH_PATH_ENV}=1"
+        _LOG.info("ECHO chain steps: torch gates and budget cut (%s)", why)
+    return False
+
+
+def chain_select(
+    inputs: ChainInputs,
+    gate_on: torch.Tensor,
+    tau: torch.Tensor,
+    gain_table: torch.Tensor | None,
+    rest_seconds: torch.Tensor,
+    draft_seconds: torch.Tensor,
+    *,
+    base_tokens: float,
+    k_cap: int,
+    k_min: int = 0,
+    surplus_tail: bool,
+) -> ChainSelection:
+    """A chain step's selection: gain_table None is the fixed rule (the first k_cap candidates of ECHO's order),
+    else the time-aware cut over rest_seconds [B * d + 1] and draft_seconds [d + 1] (`choose_budget`)."""
+    if not compiled_chain_select(inputs.scores.device):
+        return chain_select_reference(
+            inputs, gate_on, tau, gain_table, rest_seconds, draft_seconds,
+            base_tokens=base_tokens, k_cap=k_cap, k_min=k_min, surplus_tail=surplus_tail,
+        )  # fmt: skip
+    counts, depth_cap, truncated, predicted = torch.ops.echo.chain_select(
+        inputs.scores, inputs.valid, inputs.confidence, gate_on, tau,
+        _NO_TABLE if gain_table is None else gain_table, rest_seconds, draft_seconds,
+        float(base_tokens), int(k_cap), int(k_min), bool(surplus_tail),
+    )  # fmt: skip
+    return ChainSelection(counts, depth_cap, truncated, predicted)

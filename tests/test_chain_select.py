@@ -1,0 +1,166 @@
+"""The fused chain-step op (`echo::chain_select`) against its torch specification, and that specification against
+the pieces the proposer composed before it (gates, `select_budget` + `add_surplus_tails`, `TimeAwareBudget.select`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from echo_vllm.core.acceptance import AcceptanceModel
+from echo_vllm.core.auto_budget import DraftPlan
+from echo_vllm.core.budget import add_surplus_tails
+from echo_vllm.core.chain_select import chain_gates, chain_inputs, chain_select_reference, chain_tree
+from echo_vllm.core.cost_model import CostModel
+from echo_vllm.core.gating import Gates, depth_confidence
+from echo_vllm.core.time_budget import TimeAwareBudget
+from echo_vllm.ops import chain as chain_ops
+from echo_vllm.ops import select_budget
+
+needs_op = pytest.mark.skipif(not chain_ops._DEFINED, reason="echo_vllm._C without chain_select (make install)")
+NO_SECONDS = torch.empty(0, dtype=torch.float64)
+
+
+class _Cal:
+    """A calibration stand-in for Gates.evaluate."""
+
+    def __init__(self, gate_on: torch.Tensor, tau: torch.Tensor) -> None:
+        self.max_depth = gate_on.numel()
+        self._gate_on, self._tau = gate_on, tau
+
+    def gate_tensors(self, device):
+        return self._gate_on.to(device), self._tau.to(device)
+
+
+def _random_case(seed: int, batch: int, depth: int, max_depth: int):
+    gen = torch.Generator().manual_seed(seed)
+    # Log-probs from a small set, so that equal path scores across requests (ties) are common; some -inf / NaN.
+    levels = torch.log(torch.tensor([1.0, 0.9, 0.5, 0.25, 0.1, 0.01]))
+    logps = levels[torch.randint(0, levels.numel(), (batch, depth), generator=gen)]
+    holes = torch.rand((batch, depth), generator=gen)
+    logps = torch.where(holes < 0.05, torch.full_like(logps, float("-inf")), logps)
+    logps = torch.where(holes > 0.97, torch.full_like(logps, float("nan")), logps)
+    kept = torch.rand(batch, generator=gen) > 0.1
+    gate_on = torch.rand(max_depth, generator=gen) < 0.5
+    tau = torch.rand(max_depth, generator=gen) * 0.8
+    table = torch.rand((max_depth, 16), generator=gen)
+    table[torch.rand((max_depth, 16), generator=gen) < 0.2] = 0.5  # repeated gains: ties in the rate table
+    num = batch * depth
+    slope = 0.001 if seed % 2 else 0.0001  # dear and cheap verification: cuts at every length
+    rest = 0.004 + torch.cumsum(torch.rand(num + 1, generator=gen, dtype=torch.float64) * slope, dim=0)
+    draft = torch.full((depth + 1,), float(torch.rand(1, generator=gen)) * 0.003, dtype=torch.float64)
+    return logps, kept, gate_on, tau, table, rest, draft
+
+
+@needs_op
+@settings(max_examples=300, deadline=None)
+@given(
+    seed=st.integers(0, 100_000),
+    batch=st.integers(1, 40),
+    depth=st.integers(1, 6),
+    extra_depth=st.integers(0, 2),
+    k_cap=st.integers(0, 120),
+    k_min=st.integers(0, 6),
+    surplus_tail=st.booleans(),
+    fixed=st.booleans(),
+)
+def test_op_equals_the_torch_specification(seed, batch, depth, extra_depth, k_cap, k_min, surplus_tail, fixed):
+    logps, kept, gate_on, tau, table, rest, draft = _random_case(seed, batch, depth, depth + extra_depth)
+    inputs = chain_inputs(logps, kept)
+    args = (inputs, gate_on, tau, None if fixed else table, rest, draft)
+    kw = {"base_tokens": float(batch), "k_cap": k_cap, "k_min": 0 if fixed else k_min, "surplus_tail": surplus_tail}
+    want = chain_select_reference(*args, **kw)
+    got = chain_ops.chain_select(*args, **kw)
+    assert torch.equal(got.counts, want.counts)
+    assert torch.equal(got.depth_cap, want.depth_cap) and torch.equal(got.truncated, want.truncated)
+    assert got.predicted.dtype == torch.float64 and float(got.predicted) == float(want.predicted)  # bit for bit
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=st.integers(0, 100_000),
+    batch=st.integers(1, 12),
+    depth=st.integers(1, 5),
+    k_cap=st.integers(0, 40),
+    surplus_tail=st.booleans(),
+)
+def test_the_fixed_rule_is_select_budget_plus_surplus_tails(seed, batch, depth, k_cap, surplus_tail):
+    """What the proposer ran for an integer k_max: the gates on depth_confidence, select_budget, Priority 3."""
+    logps, kept, gate_on, tau, *_ = _random_case(seed, batch, depth, depth)
+    inputs = chain_inputs(logps, kept)
+    tree = chain_tree(inputs.scores, inputs.valid)
+    gates = Gates.evaluate(depth_confidence(tree), _Cal(gate_on, tau))
+    selection = select_budget(tree, gates, k_cap)
+    if surplus_tail:
+        selection = add_surplus_tails(selection, tree, gates, k_cap)
+    ours = chain_select_reference(
+        inputs, gate_on, tau, None, NO_SECONDS, NO_SECONDS, base_tokens=float(batch), k_cap=k_cap, k_min=0,
+        surplus_tail=surplus_tail,
+    )  # fmt: skip
+    assert torch.equal(ours.counts, selection.counts)
+    assert torch.equal(ours.depth_cap, gates.depth_cap) and torch.equal(ours.truncated, gates.truncated)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    seed=st.integers(0, 100_000),
+    batch=st.integers(1, 12),
+    depth=st.integers(1, 4),
+    probe=st.booleans(),
+    surplus_tail=st.booleans(),
+)
+def test_the_time_aware_cut_is_time_aware_budget_select(seed, batch, depth, probe, surplus_tail):
+    """What the proposer ran for k_max auto: TimeAwareBudget.select on the chain tree, with its own curves."""
+    max_depth = 4
+    logps, kept, gate_on, tau, *_ = _random_case(seed, batch, depth, max_depth)
+    budget = TimeAwareBudget(max_depth, profile_steps=0, probe_interval=0, surplus_tail=surplus_tail, profile_path=None)
+    budget.cost_model = CostModel(
+        (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0), (0.004, 0.0042, 0.0045, 0.005, 0.006, 0.009, 0.015), 1e-5,
+        (0.0005, 1e-5, 0.0004, 2e-5), 0.0, 10, (0.0, 0.0), (0.0008, 1e-5),
+    )  # fmt: skip
+    acceptance = AcceptanceModel(max_depth)
+    gen = torch.Generator().manual_seed(seed)
+    conf = torch.rand((64, max_depth), generator=gen)
+    acceptance.record(conf, torch.rand((64, max_depth), generator=gen) < conf, torch.ones((64, max_depth), dtype=bool))
+    acceptance.refresh()
+    budget.acceptance = acceptance
+    plan = DraftPlan(depth, 3 * batch, probe)
+    inputs = chain_inputs(logps, kept)
+    tree = chain_tree(inputs.scores, inputs.valid)
+    cal = _Cal(gate_on, tau)
+    padded = torch.cat([depth_confidence(tree), torch.full((batch, max_depth - depth), float("inf"))], dim=1)
+    gates = Gates.evaluate(padded, cal)
+    selection, predicted = budget.select(tree, gates, batch, plan, False, depth=depth, chain=True)
+    rest, draft = budget.curves(batch, batch * depth, depth, plan.depth, "cpu")
+    ours = chain_select_reference(
+        inputs, gate_on, tau, acceptance.table, rest, draft, base_tokens=float(batch), k_cap=plan.k_cap,
+        k_min=batch if probe else 0, surplus_tail=surplus_tail,
+    )  # fmt: skip
+    assert selection is not None and predicted is not None
+    assert torch.equal(ours.counts, selection.counts)
+    assert float(ours.predicted) == float(predicted)
+    assert torch.equal(chain_gates(inputs.confidence, gate_on, tau).depth_cap, gates.depth_cap)
+
+
+@needs_op
+def test_op_refuses_bad_inputs_with_one_line():
+    logps, kept, gate_on, tau, table, rest, draft = _random_case(0, 3, 4, 4)
+    inputs = chain_inputs(logps, kept)
+    kw = {"base_tokens": 3.0, "k_cap": 8, "surplus_tail": True}
+    with pytest.raises(TypeError, match="scores must be Float"):
+        chain_ops.chain_select(inputs._replace(scores=inputs.scores.double()), gate_on, tau, table, rest, draft, **kw)
+    with pytest.raises(ValueError, match=r"rest must be \[B \* d \+ 1\]"):
+        chain_ops.chain_select(inputs, gate_on, tau, table, rest[:-1], draft, **kw)
+    with pytest.raises(ValueError, match="gate_on and tau must be"):
+        chain_ops.chain_select(inputs, gate_on[:2], tau[:2], table, rest, draft, **kw)
+
+
+def test_torch_path_env_forces_the_reference(monkeypatch):
+    monkeypatch.setenv(chain_ops.TORCH_PATH_ENV, "1")
+    assert not chain_ops.compiled_chain_select(torch.device("cpu"))
+    logps, kept, gate_on, tau, table, rest, draft = _random_case(1, 5, 3, 4)
+    got = chain_ops.chain_select(
+        chain_inputs(logps, kept), gate_on, tau, table, rest, draft, base_tokens=5.0, k_cap=9, surplus_tail=True
+    )
+    assert got.counts.dtype == torch.int32 and int(got.counts.sum()) <= 9

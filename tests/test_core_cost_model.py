@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -170,3 +171,15 @@ def test_corrupt_profile_is_one_clear_line(tmp_path, mutate, needle):
         load_profile(path, 4)
     message = str(err.value)
     assert needle in message and str(path) in message and "delete it" in message and "\n" not in message
+
+
+def test_host_evaluation_matches_the_tensor_curve():
+    model = fit_cost_model(_samples(lambda n, b: 0.002 + 0.0003 * n + 0.0001 * b, _draft, noise=0.02))
+    assert model is not None
+    model = dataclasses.replace(model, tree_terms=(0.001, 0.0002))
+    for tokens in (0.5, 1, 3, 7, 64, 100, 5000, 10**6):  # below the first knot, inside, beyond the last
+        for batch in (1, 8):
+            want = float(model.rest_seconds(torch.tensor([float(tokens)]), batch)[0])
+            assert model.rest_at(tokens, batch) == pytest.approx(want, rel=1e-12, abs=1e-15)
+    for width in (0, 1, 9):
+        assert model.tree_at(width) == pytest.approx(float(model.tree_seconds(torch.tensor(float(width)))))

@@ -24,6 +24,7 @@ No vLLM import here.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -147,6 +148,19 @@ class CostModel:
         flat = num_tokens.reshape(-1).to("cpu", torch.float64)
         curve = _hat_basis(flat, knots) @ values
         return (curve + self.per_request_s * batch).reshape(num_tokens.shape)
+
+    def rest_at(self, num_tokens: float, batch: int) -> float:
+        """`rest_seconds` of one step, on the host (no tensors: the proposer calls it on every step)."""
+        knots, values = self.knots, self.rest_s
+        n = max(float(num_tokens), knots[0])
+        i = min(max(bisect.bisect_right(knots, n), 1), len(knots) - 1) - 1  # the segment's left knot
+        frac = (n - knots[i]) / (knots[i + 1] - knots[i])  # > 1 beyond the last knot: linear extrapolation
+        return (1.0 - frac) * values[i] + frac * values[i + 1] + self.per_request_s * batch
+
+    def tree_at(self, width: int) -> float:
+        """`tree_seconds` of one step, on the host."""
+        t0, t1 = self.tree_terms
+        return t0 + t1 * width if width > 0 else 0.0
 
     def tree_seconds(self, width: torch.Tensor) -> torch.Tensor:
         """Extra seconds of steps verifying `width` nodes off the spine (any shape; 0 for chains)."""

@@ -180,7 +180,7 @@ class TimeAwareBudget:
         depths = verified_depths.long().reshape(-1)
         nodes = ((depths.unsqueeze(0) <= levels.unsqueeze(1)) & (depths.unsqueeze(0) > 0)).sum(dim=1)
         host = torch.stack([emitted, nodes]).tolist()
-        rest = cost.rest_seconds(torch.tensor([float(batch + n) for n in host[1]]), batch).tolist()
+        rest = [cost.rest_at(batch + n, batch) for n in host[1]]  # per depth level, not per request
         rates = [
             (batch + host[0][d]) / max(rest[d] + cost.draft_seconds(batch, d), 1e-12) for d in range(drafted_depth + 1)
         ]
@@ -190,8 +190,7 @@ class TimeAwareBudget:
     def add_sample(self, sample: StepSample, warming_up: bool) -> None:
         """A measured step; a step much slower than predicted waited for work and is dropped."""
         if self.cost_model is not None:
-            predicted = float(self.cost_model.rest_seconds(torch.tensor([float(sample.num_tokens)]), sample.batch)[0])
-            predicted += float(self.cost_model.tree_seconds(torch.tensor(float(sample.width))))
+            predicted = self.cost_model.rest_at(sample.num_tokens, sample.batch) + self.cost_model.tree_at(sample.width)
             if sample.rest_s > IDLE_FACTOR * max(predicted, 1e-6):
                 return
         profiling = self.phase(warming_up) != "auto" and len(self.samples.profile) < MAX_PROFILE_SAMPLES

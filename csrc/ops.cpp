@@ -113,6 +113,7 @@ TORCH_LIBRARY(echo, m) {
       "chain_select(Tensor scores, Tensor valid, Tensor confidence, Tensor gate_on, Tensor tau, Tensor gain_table, "
       "Tensor rest, Tensor draft, float base_tokens, int k_cap, int k_min, bool surplus_tail) -> (Tensor counts, "
       "Tensor depth_cap, Tensor truncated, Tensor predicted)");
+  m.def("draft_argmax_logp(Tensor logits) -> (Tensor ids, Tensor logps)");
 }
 
 // ---- Python module stub: importing echo_vllm._C loads the library and runs the registrations above. ----

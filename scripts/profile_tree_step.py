@@ -42,6 +42,7 @@ TIMED = [
     ("  update_states_after", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner._update_states_after_model_execute"),
     ("    compact_tree_step", "echo_vllm.vllm.patches", "_compact_tree_step"),
     ("  base_propose(vLLM loop)", "vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer.propose"),
+    ("    greedy_sample(vLLM)", "vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer._greedy_sample"),
     ("  propose(total)", "echo_vllm.vllm.proposer", "EchoProposer.propose"),
     ("    sample_draft_tokens", "echo_vllm.vllm.proposer", "EchoProposer._sample_draft_tokens"),
     ("    select", "echo_vllm.vllm.proposer", "EchoProposer._select"),

@@ -164,3 +164,30 @@ def test_torch_path_env_forces_the_reference(monkeypatch):
         chain_inputs(logps, kept), gate_on, tau, table, rest, draft, base_tokens=5.0, k_cap=9, surplus_tail=True
     )
     assert got.counts.dtype == torch.int32 and int(got.counts.sum()) <= 9
+
+
+@needs_op
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_draft_argmax_logp_is_the_first_maximum_and_its_log_softmax(dtype):
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn((37, 4096), generator=gen) * 4).to(dtype)
+    logits[3] = torch.randint(0, 3, (4096,), generator=gen).to(dtype)  # many ties for the maximum
+    logits[5, 17] = 60.0  # one dominant logit: log-prob ~0, never above it
+    ids, logps = chain_ops.draft_argmax_logp(logits)
+    want_ids, want_logps = chain_ops.draft_argmax_logp_reference(logits)
+    assert torch.equal(ids, want_ids) and ids.dtype == torch.int64
+    assert int(ids[3]) == int(torch.nonzero(logits[3] == logits[3].max())[0])  # the lowest id among ties
+    assert torch.allclose(logps, want_logps, atol=2e-6, rtol=1e-5) and logps.dtype == torch.float32
+    assert bool((logps <= 0).all()) and float(logps[5]) == pytest.approx(0.0, abs=1e-6)
+
+
+@needs_op
+def test_draft_argmax_logp_nan_and_dead_rows_follow_torch():
+    logits = torch.zeros((3, 8))
+    logits[0, 5] = float("nan")
+    logits[1] = float("-inf")
+    logits[2, 2] = float("inf")
+    ids, logps = chain_ops.draft_argmax_logp(logits)
+    want_ids, want_logps = chain_ops.draft_argmax_logp_reference(logits)
+    assert int(ids[0]) == int(want_ids[0]) == 5 and int(ids[2]) == int(want_ids[2]) == 2
+    assert bool(torch.isnan(logps).all()) and bool(torch.isnan(want_logps).all())  # no usable log-prob anywhere

@@ -176,11 +176,14 @@ def test_device_figures_wait_for_the_interval(channel, monkeypatch):
     exporter.on_step(proposer, proposer.step([1, 1], [1, 1]))
     samples = _scrape(channel)
     assert len(calls) == 1
-    assert _value(samples, "echo_vllm:steps_total") == 2  # host figures: every step
+    assert _value(samples, "echo_vllm:steps_total") == 1  # host figures too: as of the first step
     assert _value(samples, "echo_vllm:accepted_tokens_total") == 1  # device figures: as of the first step
     clock[0] += 61
     exporter.on_step(proposer, proposer.step([1, 1], [0, 0]))
-    assert len(calls) == 2 and _value(_scrape(channel), "echo_vllm:accepted_tokens_total") == 3
+    samples = _scrape(channel)
+    assert len(calls) == 2 and _value(samples, "echo_vllm:accepted_tokens_total") == 3
+    assert _value(samples, "echo_vllm:steps_total") == 3  # the steps in between were counted, not lost
+    assert _value(samples, "echo_vllm:verify_length_count") == 6
 
 
 def test_time_aware_budget_keys_are_exported_only_when_present(channel):

@@ -1,6 +1,10 @@
-"""`chain_select`: the fused CPU op for a chain step's gates and budget cut (csrc/chain_cpu.cpp), with the torch
-composition `echo_vllm.core.chain_select.chain_select_reference` as the specification and the fallback (no
-extension, one built before this op, a non-CPU device, or ECHO_VLLM_CHAIN_TORCH=1 for A/B runs; logged once).
+"""The fused CPU ops of a chain step (csrc/chain_cpu.cpp), each with its torch twin as specification and fallback
+(no extension, one built before these ops, a non-CPU device, or ECHO_VLLM_CHAIN_TORCH=1 for A/B runs; logged once):
+
+* `chain_select`: the step's gates and budget cut; twin: `echo_vllm.core.chain_select.chain_select_reference`
+  (bit for bit);
+* `draft_argmax_logp`: a draft step's argmax token and its log-prob; twin: `draft_argmax_logp_reference`
+  (max + logsumexp: the same token, the log-prob to float rounding).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ def _defined() -> bool:
         return False
     try:
         torch.ops.echo.chain_select  # noqa: B018 - resolving the overload packet is the check
+        torch.ops.echo.draft_argmax_logp  # noqa: B018
     except (AttributeError, RuntimeError):
         return False
     return True
@@ -42,10 +47,10 @@ def compiled_chain_select(device: torch.device) -> bool:
         if device.type != "cpu":
             why = f"no {device.type} kernel"
         elif not _DEFINED:
-            why = _ops._LOAD_ERROR or "echo_vllm._C predates chain_select (rebuild: `make install`)"
+            why = _ops._LOAD_ERROR or "echo_vllm._C predates the chain ops (rebuild: `make install`)"
         else:
             why = f"{TORCH_PATH_ENV}=1"
-        _LOG.info("ECHO chain steps: torch gates and budget cut (%s)", why)
+        _LOG.info("ECHO chain steps: torch draft log-probs, gates and budget cut (%s)", why)
     return False
 
 
@@ -75,3 +80,18 @@ def chain_select(
         float(base_tokens), int(k_cap), int(k_min), bool(surplus_tail),
     )  # fmt: skip
     return ChainSelection(counts, depth_cap, truncated, predicted)
+
+
+def draft_argmax_logp_reference(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B] int64, logps [B] float32): the first maximum of each row and max - logsumexp (no full log-softmax)."""
+    logits32 = logits.float()  # a no-op for float32 logits
+    top, ids = logits32.max(dim=-1)
+    return ids, top - torch.logsumexp(logits32, dim=-1)
+
+
+def draft_argmax_logp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chain draft step from the head's logits [B, V]: the argmax token and its draft log-prob (one pass)."""
+    if not compiled_chain_select(logits.device):
+        return draft_argmax_logp_reference(logits)
+    ids, logps = torch.ops.echo.draft_argmax_logp(logits)
+    return ids, logps

@@ -197,6 +197,7 @@ class PromExporter:
         self.verify_length = _Histogram((*(float(d) for d in range(max_depth + 1)), math.inf))
         self.proposer_time = _Histogram(TIME_BUCKETS)
         self._last_read = -math.inf
+        self._last_time_write = -math.inf
         self._failed = False
 
     # -- the guard -------------------------------------------------------------------------------------------
@@ -219,8 +220,10 @@ class PromExporter:
     # -- entry points (the proposer's _account, the feedback patch) -------------------------------------------
 
     def on_step(self, proposer: Any, counts: list[int], budget: int | None = None) -> None:
-        """One step: K_i per request (`counts`) under the step's `budget` (default: the proposer's K_max); the
-        host figures now, the device figures every `interval` seconds."""
+        """One step: K_i per request (`counts`) under the step's `budget` (default: the proposer's K_max), counted
+        on the host every step; the series (host and device figures) written on the first step and then every
+        `interval` seconds (default 1 s, far below a scrape interval): writing them every step cost 0.07 ms, 1 %
+        of a small CPU step."""
         self._guarded("a step's update", self._on_step, proposer, counts, budget)
 
     def observe_proposer_time(self, seconds: float) -> None:
@@ -253,7 +256,10 @@ class PromExporter:
 
     def _observe_time(self, seconds: float) -> None:
         self.proposer_time.observe_many(Counter({seconds: 1}))
-        self._h("proposer_seconds", self.proposer_time)
+        now = time.monotonic()
+        if now - self._last_time_write >= self.interval:  # as the step series: counted always, written per interval
+            self._last_time_write = now
+            self._h("proposer_seconds", self.proposer_time)
 
     def _on_step(self, proposer: Any, counts: list[int], budget: int | None) -> None:
         step_sum = sum(counts)
@@ -263,16 +269,17 @@ class PromExporter:
         self.draft_tokens += step_sum
         self.capacity_tokens += budget
         self.verify_length.observe_many(Counter(counts))
+        now = time.monotonic()
+        if now - self._last_read < self.interval:
+            return  # host counts accumulate; the series are written every `interval` (a write costs ~0.07 ms)
+        self._last_read = now
         self._c("steps", self.steps)
         self._c("budget_draft_tokens", self.draft_tokens)
         self._c("budget_capacity_tokens", self.capacity_tokens)
         self._g("step_draft_tokens", float(step_sum))
         self._g("step_budget", float(budget))
         self._h("verify_length", self.verify_length)
-        now = time.monotonic()
-        if now - self._last_read >= self.interval:
-            self._last_read = now
-            self._publish_device(proposer)
+        self._publish_device(proposer)
 
     def _publish_calibration(self, proposer: Any) -> None:
         state = calibration_state(proposer)

@@ -52,7 +52,7 @@ from echo_vllm.core.time_budget import TimeAwareBudget
 from echo_vllm.core.tree import DraftTree, topk_stable
 from echo_vllm.core.tree_order import SpineFirstOrder, spine_first_order, spine_sibling_tree
 from echo_vllm.ops import select_budget
-from echo_vllm.ops.chain import chain_select, compiled_chain_select
+from echo_vllm.ops.chain import chain_select, compiled_chain_select, draft_argmax_logp
 from echo_vllm.vllm import instance_attrs, prom_metrics
 from echo_vllm.vllm import spec as echo_spec
 from echo_vllm.vllm.faults import guard_from_env
@@ -256,9 +256,9 @@ class EchoProposer(EagleProposer):
         logits = self.model.compute_logits(hidden_states)
         if self.use_heterogeneous_vocab:
             logits = self.vocab_mapping.constrain_draft_logits(logits)
-        logits32 = logits.float()  # a no-op for float32 logits
-        lse = torch.logsumexp(logits32, dim=-1)
         if self._tree_step:
+            logits32 = logits.float()  # a no-op for float32 logits
+            lse = torch.logsumexp(logits32, dim=-1)
             # The spine continues with slot 0 (argmax, lowest id among ties: the chain's token); slots 1..k-1 are
             # the sibling leaves of this depth.
             top_values, top_ids = topk_stable(logits32, self.top_k)
@@ -266,10 +266,11 @@ class EchoProposer(EagleProposer):
             if self.use_heterogeneous_vocab:
                 top_ids = self.vocab_mapping.map_draft_to_target_ids(top_ids)
             self._echo_topk.append((top_ids, top_logps))
-            top, draft_ids = top_values[:, 0], top_ids[:, 0]
-        else:
-            top, draft_ids = logits32.max(dim=-1)
-        self._echo_logps.append(top - lse)
+            self._echo_logps.append(top_values[:, 0] - lse)
+            draft_ids = top_ids[:, 0]
+        else:  # one pass over the logits on CPU (echo::draft_argmax_logp), max + logsumexp elsewhere
+            draft_ids, logps = draft_argmax_logp(logits)
+            self._echo_logps.append(logps)
         if self.use_heterogeneous_vocab and not self._tree_step:
             draft_ids = self.vocab_mapping.map_draft_to_target_ids(draft_ids)
         self._echo_ids.append(draft_ids)

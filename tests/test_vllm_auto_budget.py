@@ -8,8 +8,10 @@ same calibration and profile files loads both and goes straight to the time-awar
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
+import torch
 from testbed_fixture import shipped_testbed
 
 from echo_vllm.bench.datasets import humaneval_prompts, mtbench_prompts
@@ -88,3 +90,20 @@ def test_profile_is_saved_and_loaded(prompts, files, tmp_path):
     assert first["token_ids"] == baseline["token_ids"] == second["token_ids"]
     phases = {s["phase"] for s in _steps(second_log)}
     assert phases == {"auto"}, f"with both files loaded there is no warm-up or profile; got {phases}"
+
+
+def test_a_predicted_plain_step_counts_as_realised_zero():
+    """predicted and realised accepted drafts per step must average over the same steps: a step whose budget chose
+    plain decoding (predicted 0) verifies nothing, and vLLM then passes no spec metadata at all. (Before, such
+    steps were left out of 'realised' only, which made realised/step look 30 % above predicted/step.)"""
+    from echo_vllm.core.metrics import EchoMetrics
+    from echo_vllm.vllm.proposer import EchoProposer, PendingVerification
+
+    proposer = object.__new__(EchoProposer)  # only the feedback's state: no engine
+    proposer.stats = EchoMetrics(DEPTH)
+    for metadata in (None, types.SimpleNamespace(num_draft_tokens=[0, 0])):
+        proposer.stats.record_plan(DEPTH, torch.zeros((), dtype=torch.float64))
+        proposer._pending = PendingVerification({"a": 0, "b": 1}, torch.zeros(2, DEPTH), True, DEPTH)
+        proposer._observe(["a", "b"], None, metadata)
+    assert proposer.stats.predicted_steps == proposer.stats.realised_steps == 2
+    assert proposer.stats.summary()["realised_accepted_per_step"] == 0.0

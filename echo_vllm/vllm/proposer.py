@@ -678,12 +678,18 @@ class EchoProposer(EagleProposer):
 
     def _observe(self, req_ids: list[str], sampled_token_ids: Any, spec_decode_metadata: Any) -> None:
         pending, self._pending = self._pending, None
-        if pending is None or spec_decode_metadata is None:
+        if pending is None:
             return
         index_of, confidence = pending.row_of_request, pending.confidence
-        num_draft = [int(n) for n in spec_decode_metadata.num_draft_tokens]
-        rows = [(i, index_of[rid]) for i, rid in enumerate(req_ids) if num_draft[i] > 0 and rid in index_of]
+        num_draft = [] if spec_decode_metadata is None else [int(n) for n in spec_decode_metadata.num_draft_tokens]
+        rows = [
+            (i, index_of[rid]) for i, rid in enumerate(req_ids) if num_draft and num_draft[i] > 0 and rid in index_of
+        ]
         if not rows:
+            if pending.predicted:
+                # A predicted step that verified nothing (the budget chose plain decoding) realised 0 accepted
+                # drafts: counted, so that predicted and realised per step average over the same steps.
+                self.stats.record_realised(torch.zeros(0, dtype=torch.long))
             return
         device = confidence.device
         cur = torch.tensor([r[0] for r in rows], dtype=torch.long, device=device)

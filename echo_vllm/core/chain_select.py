@@ -17,7 +17,7 @@ import torch
 
 from .acceptance import confidence_bins
 from .auto_budget import priority_rank, select_auto, select_by_rank
-from .gating import Gates
+from .gating import Gates, caps_from_thresholds
 from .tree import DraftTree
 
 
@@ -65,11 +65,7 @@ def chain_gates(confidence: torch.Tensor, gate_on: torch.Tensor, tau: torch.Tens
     padded = torch.cat(
         [confidence, torch.full((batch, max_depth - depth), float("inf"), device=confidence.device)], dim=1
     )
-    closed = gate_on.unsqueeze(0) & ~(padded >= tau.unsqueeze(0))
-    depths = torch.arange(1, max_depth + 1, dtype=torch.int32, device=confidence.device).expand(batch, max_depth)
-    first_closed = torch.where(closed, depths, torch.full_like(depths, max_depth + 1)).amin(dim=1)
-    truncated = closed.any(dim=1)
-    depth_cap = torch.where(truncated, first_closed, torch.full_like(first_closed, max_depth)).to(torch.int32)
+    depth_cap, truncated = caps_from_thresholds(padded, gate_on, tau)
     return Gates(depth_cap, truncated, torch.ones_like(truncated))  # chains have no width to widen
 
 

@@ -52,8 +52,16 @@ def gate_caps(confidence: torch.Tensor, calibration: Calibration | None) -> tupl
             f"the calibration covers {calibration.max_depth} depths but the tree has {max_depth}; recalibrate"
         )
     gated, tau = calibration.gate_tensors(device)
+    return caps_from_thresholds(confidence, gated, tau)
+
+
+def caps_from_thresholds(
+    confidence: torch.Tensor, gated: torch.Tensor, tau: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gate_caps` from the gate tensors themselves: gated [D] bool, tau [D] float32 over confidence [B, D]."""
+    batch, max_depth = confidence.shape
     closed = gated.unsqueeze(0) & ~(confidence.to(torch.float32) >= tau.unsqueeze(0))
-    depths = torch.arange(1, max_depth + 1, dtype=torch.int32, device=device).expand(batch, max_depth)
+    depths = torch.arange(1, max_depth + 1, dtype=torch.int32, device=confidence.device).expand(batch, max_depth)
     first_closed = torch.where(closed, depths, torch.full_like(depths, max_depth + 1)).amin(dim=1)
     truncated = closed.any(dim=1)
     depth_cap = torch.where(truncated, first_closed, torch.full_like(first_closed, max_depth))

@@ -44,7 +44,7 @@ from echo_vllm.core.auto_budget import DraftPlan, drafting_can_stop
 from echo_vllm.core.budget import BudgetSelection, add_surplus_tails, compact_selection
 from echo_vllm.core.budget_profile import default_profile_path
 from echo_vllm.core.calibration import Calibration, CalibrationRecorder, calibrate
-from echo_vllm.core.chain_select import chain_inputs
+from echo_vllm.core.chain_select import chain_inputs, chain_tree
 from echo_vllm.core.cost_model import StepSample
 from echo_vllm.core.gating import Gates, depth_confidence
 from echo_vllm.core.metrics import EchoMetrics
@@ -165,11 +165,10 @@ class EchoProposer(EagleProposer):
         self.warmup_recorded = 0
         self.tp_rank = _tp_rank()
         self.is_writer = self.tp_rank == 0
-        # Fixed-layout chain tree tensors (top_k = 1).
+        # Depths 1..D (its device is where the proposer runs: the early-exit test is for CPU only).
         d = self.max_depth
         self._depth = torch.arange(1, d + 1, dtype=torch.int32, device=device)
         self._no_seconds = torch.empty(0, dtype=torch.float64, device=device)  # chain_select's fixed rule
-        self._parent = torch.arange(-1, d - 1, dtype=torch.int32, device=device)
         # What this step's drafts were drafted from, read back when their verification result arrives.
         self._pending: PendingVerification | None = None
         # The same statistics as the HF engine's (device accumulators; read back at log time only).
@@ -639,21 +638,9 @@ class EchoProposer(EagleProposer):
         return selection
 
     def _chain_tree(self, drafts: torch.Tensor, logps: torch.Tensor) -> DraftTree:
-        batch, depth = drafts.shape
-        scores = torch.cumsum(logps.to(torch.float32), dim=1)
-        valid = torch.isfinite(scores)
-        # Partial prefills: vLLM drops their drafts. No runner only in a proposer built outside vLLM's runner.
-        discard = self._runner.discard_request_mask.gpu if self._runner is not None else None
-        if discard is not None and discard.shape[0] >= batch:
-            valid = valid & ~discard[:batch].to(torch.bool).unsqueeze(1)  # partial prefills: drafts are dropped
-        return DraftTree(
-            tokens=drafts.to(torch.int64),
-            scores=scores.contiguous(),
-            parent=self._parent[:depth].expand(batch, depth).contiguous(),
-            depth=self._depth[:depth].expand(batch, depth).contiguous(),
-            valid=valid.contiguous(),
-            spine=torch.ones((batch, depth), dtype=torch.bool, device=drafts.device),
-        )
+        """The chains as a DraftTree (the torch path; `chain_inputs` is also what the fused op reads)."""
+        inputs = chain_inputs(logps, self._kept_rows(drafts.shape[0]))
+        return chain_tree(inputs.scores, inputs.valid)._replace(tokens=drafts.to(torch.int64))
 
     # ---------------------------------------------------------------------------------------------------------
     # Verification feedback (EchoVerificationFeedbackPatch), calibration, metrics

@@ -10,6 +10,7 @@ which one runs, for `echo-vllm doctor`.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +41,41 @@ else:
     from echo_vllm.ops import _fake  # noqa: F401 - fake impls for torch.compile / FakeTensorMode
 
 _fallback_logged: set[str] = set()
+
+
+def ops_defined(*names: str) -> bool:
+    """Whether the loaded extension registers every `echo::` op in `names` (an older build may lack newer ones)."""
+    if _C is None:
+        return False
+    try:
+        for name in names:
+            getattr(torch.ops.echo, name)  # resolving the overload packet is the check
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+class CpuOpsGate:
+    """Whether a family of CPU-only compiled ops serves a device now, else its torch twin; the reason for the torch
+    path is logged once: another device, an extension without the ops, or the family's A/B switch `env`=1."""
+
+    def __init__(self, env: str, torch_path: str, family: str) -> None:
+        self.env, self.torch_path, self.family = env, torch_path, family
+        self._logged = False
+
+    def serves(self, device: torch.device, defined: bool) -> bool:
+        if device.type == "cpu" and defined and os.environ.get(self.env) != "1":
+            return True
+        if not self._logged:
+            self._logged = True
+            if device.type != "cpu":
+                why = f"no {device.type} kernel"
+            elif not defined:
+                why = _LOAD_ERROR or f"echo_vllm._C predates {self.family} (rebuild: `make install`)"
+            else:
+                why = f"{self.env}=1"
+            _LOG.info("%s (%s)", self.torch_path, why)
+        return False
 
 
 def _cuda_compiled() -> bool:

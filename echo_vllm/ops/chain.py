@@ -9,49 +9,22 @@
 
 from __future__ import annotations
 
-import logging
-import os
-
 import torch
 
 from echo_vllm import ops as _ops
 from echo_vllm.core.chain_select import ChainInputs, ChainSelection, chain_select_reference
 
 TORCH_PATH_ENV = "ECHO_VLLM_CHAIN_TORCH"
-_LOG = logging.getLogger("echo_vllm")
-_logged = False
 _NO_TABLE = torch.empty(0, dtype=torch.float32)
-
-
-def _defined() -> bool:
-    if _ops._C is None:
-        return False
-    try:
-        torch.ops.echo.chain_select  # noqa: B018 - resolving the overload packet is the check
-        torch.ops.echo.draft_argmax_logp  # noqa: B018
-    except (AttributeError, RuntimeError):
-        return False
-    return True
-
-
-_DEFINED = _defined()
+_DEFINED = _ops.ops_defined("chain_select", "draft_argmax_logp")
+_GATE = _ops.CpuOpsGate(
+    TORCH_PATH_ENV, "ECHO chain steps: torch draft log-probs, gates and budget cut", "the chain ops"
+)
 
 
 def compiled_chain_select(device: torch.device) -> bool:
-    """Whether the compiled op serves `device` now (else the torch composition; the reason is logged once)."""
-    global _logged
-    if device.type == "cpu" and _DEFINED and os.environ.get(TORCH_PATH_ENV) != "1":
-        return True
-    if not _logged:
-        _logged = True
-        if device.type != "cpu":
-            why = f"no {device.type} kernel"
-        elif not _DEFINED:
-            why = _ops._LOAD_ERROR or "echo_vllm._C predates the chain ops (rebuild: `make install`)"
-        else:
-            why = f"{TORCH_PATH_ENV}=1"
-        _LOG.info("ECHO chain steps: torch draft log-probs, gates and budget cut (%s)", why)
-    return False
+    """Whether the compiled ops serve `device` now (else the torch twins; the reason is logged once)."""
+    return _GATE.serves(device, _DEFINED)
 
 
 def chain_select(

@@ -8,47 +8,18 @@ ECHO_VLLM_TREE_TORCH=1 (A/B measurements, tests), runs the torch path (logged on
 
 from __future__ import annotations
 
-import logging
-import os
-
 import torch
 
 from echo_vllm import ops as _ops
 
 TORCH_PATH_ENV = "ECHO_VLLM_TREE_TORCH"
-_LOG = logging.getLogger("echo_vllm")
-_logged = False
-
-
-def _defined() -> bool:
-    if _ops._C is None:
-        return False
-    try:
-        torch.ops.echo.tree_fix_attention  # noqa: B018 - resolving the overload packet is the check
-        torch.ops.echo.tree_kv_compact  # noqa: B018
-    except (AttributeError, RuntimeError):
-        return False
-    return True
-
-
-_DEFINED = _defined()
+_DEFINED = _ops.ops_defined("tree_fix_attention", "tree_kv_compact")
+_GATE = _ops.CpuOpsGate(TORCH_PATH_ENV, "ECHO tree steps: torch fix-up attention and KV compaction", "the tree ops")
 
 
 def compiled_tree_ops(device: torch.device) -> bool:
     """Whether the compiled tree kernels serve a CPU cache now (else the torch path; the reason is logged once)."""
-    global _logged
-    if device.type == "cpu" and _DEFINED and os.environ.get(TORCH_PATH_ENV) != "1":
-        return True
-    if not _logged:
-        _logged = True
-        if device.type != "cpu":
-            why = f"no {device.type} kernel"
-        elif not _DEFINED:
-            why = _ops._LOAD_ERROR or "echo_vllm._C predates the tree ops (rebuild: `make install`)"
-        else:
-            why = f"{TORCH_PATH_ENV}=1"
-        _LOG.info("ECHO tree steps: torch fix-up attention and KV compaction (%s)", why)
-    return False
+    return _GATE.serves(device, _DEFINED)
 
 
 def tree_fix_attention(

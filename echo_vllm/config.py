@@ -87,6 +87,12 @@ class EchoSettings(BaseModel):
         description="k_max 'auto': every this many steps draft at full depth and verify at least one token per "
         "request, so that acceptance statistics stay fresh when the budget has shrunk (0 = never).",
     )
+    defer_plain_head: bool = Field(
+        default=True,
+        description="vLLM: on a step that drafts nothing (k_max 'auto' chose plain decoding), skip the draft "
+        "head's pass over the step's tokens and run it for them in the next step that drafts (same inputs, same "
+        "KV; output exact either way). false runs the head every step, as vLLM does.",
+    )
     fault_limit: int = Field(
         default=8,
         ge=1,

@@ -103,6 +103,23 @@ V1_HOOKS: tuple[Hook, ...] = (
         "argmax draft token + its log-softmax score per depth",
         params=("self", "hidden_states", "sampling_metadata"),
     ),
+    Hook(
+        "vllm.v1.spec_decode.eagle",
+        "EagleProposer.set_inputs_first_pass",
+        "override",
+        "defer_plain_head: EchoProposer keeps a plain step's first-pass rows instead of running the head, and "
+        "merges them into the next drafting step's rows (per-request query ranges, slots, positions)",
+        params=(
+            "self",
+            "target_token_ids",
+            "next_token_ids",
+            "target_positions",
+            "target_hidden_states",
+            "token_indices_to_sample",
+            "cad",
+            "num_rejected_tokens_gpu",
+        ),
+    ),
     # --- called ------------------------------------------------------------------------------------------------
     Hook(
         "vllm.v1.worker.gpu_model_runner",

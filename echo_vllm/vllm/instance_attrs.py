@@ -47,6 +47,19 @@ INSTANCE_ATTRS: tuple[InstanceAttr, ...] = (
         "EchoProposer._sample_draft_tokens",
         "draft/target vocabulary mapping (None unless heterogeneous)",
     ),
+    *(
+        InstanceAttr(PROPOSER, name, "EchoProposer._init_deferred_head", why)
+        for name, why in (
+            ("max_batch_size", "max_num_seqs: sizes the kept head rows"),
+            ("needs_extra_input_slots", "parallel drafting has no plain first pass to defer"),
+            ("uses_mrope", "M-RoPE positions are not kept (deferral off)"),
+            ("supports_mm_inputs", "multimodal embeddings are not kept (deferral off)"),
+            ("input_ids", "first-pass input ids (grown by the kept rows' capacity)"),
+            ("positions", "first-pass positions (grown likewise)"),
+            ("hidden_states", "first-pass hidden states (grown likewise)"),
+            ("_slot_mapping_buffer", "the head's KV slots of the first pass (grown likewise)"),
+        )
+    ),
     InstanceAttr(RUNNER, "drafter", "EchoDrafterPatch", "the proposer the runner built (must be EchoProposer)"),
     InstanceAttr(
         RUNNER,

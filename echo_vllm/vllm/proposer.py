@@ -55,6 +55,7 @@ from echo_vllm.ops import select_budget
 from echo_vllm.ops.chain import chain_select, compiled_chain_select, draft_argmax_logp
 from echo_vllm.vllm import instance_attrs, prom_metrics
 from echo_vllm.vllm import spec as echo_spec
+from echo_vllm.vllm.deferred_head import DeferredHeadRows, HeadRows, request_of_rows, valid_rows
 from echo_vllm.vllm.faults import guard_from_env
 from echo_vllm.vllm.stats_log import format_startup_line, format_stats_line
 from echo_vllm.vllm.tp_share import broadcast_from_rank0
@@ -75,6 +76,17 @@ LOG_INTERVAL_ENV = "ECHO_VLLM_LOG_INTERVAL"  # seconds between periodic ECHO log
 
 
 WIDTH_PATIENCE = 8  # tree steps in a row without a sibling bought before siblings are drafted at probes only
+
+
+# Rows the head may keep waiting, per max_num_seqs (the proposer's buffers grow by this): at one row per decoding
+# request per plain step, up to this many plain steps in a row defer the head; then a plain step runs it.
+DEFERRED_HEAD_STEPS = 8
+DEFERRED_HEAD_NO_MERGE_ENV = "ECHO_VLLM_DEFERRED_HEAD_NO_MERGE"  # tests: drop the kept rows instead of merging
+FORCE_PLAIN_ENV = "ECHO_VLLM_FORCE_PLAIN"  # tests: N > 1 = once calibrated, only every N-th step drafts
+
+
+class _HeadDeferred(Exception):
+    """Raised by set_inputs_first_pass on a plain step whose head pass is deferred: vLLM's propose stops there."""
 
 
 class _DraftingDone(Exception):
@@ -174,6 +186,12 @@ class EchoProposer(EagleProposer):
         # The same statistics as the HF engine's (device accumulators; read back at log time only).
         self.stats = EchoMetrics(d)
         self._init_budget(device)
+        self.deferred_head = self._init_deferred_head(vllm_config)
+        self._defer_head_now = False  # set by _draft on a plain step, read by set_inputs_first_pass
+        self._head_keys: dict[str, int] = {}  # request id -> key of its kept head rows (cleared at each merge)
+        self._no_merge = os.environ.get(DEFERRED_HEAD_NO_MERGE_ENV) == "1"
+        self._force_plain = int(os.environ.get(FORCE_PLAIN_ENV) or 0)
+        self._force_clock = 0
         self._step_log = (os.environ.get(STEP_LOG_ENV) or "").replace("{rank}", str(self.tp_rank)) or None
         self._step_log_file: Any = None
         self._log_interval = float(os.environ.get(LOG_INTERVAL_ENV, "10"))
@@ -214,6 +232,31 @@ class EchoProposer(EagleProposer):
         self._phase_seconds = {"draft": 0.0, "select": 0.0, "rest": 0.0}
         self._timed_steps = 0
         self._rest_timed_steps = 0
+
+    def _init_deferred_head(self, vllm_config: Any) -> DeferredHeadRows | None:
+        """The kept head rows of plain steps (`defer_plain_head`), where vLLM's first pass is the plain one: no
+        extra input slots (parallel drafting), no M-RoPE, no multimodal embeddings, no data parallelism (its
+        ranks coordinate every drafter forward). The head's input buffers grow by the capacity, so that a merged
+        first pass (the step's rows plus the kept ones) always fits."""
+        if not self.echo_settings.defer_plain_head:
+            return None
+        if (
+            self.needs_extra_input_slots
+            or self.uses_mrope
+            or self.supports_mm_inputs
+            or vllm_config.parallel_config.data_parallel_size > 1
+        ):
+            logger.info(
+                "ECHO: the draft head runs on plain steps too (defer_plain_head needs a plain EAGLE first pass)"
+            )
+            return None
+        capacity = max(64, DEFERRED_HEAD_STEPS * int(self.max_batch_size))
+        for name in ("input_ids", "positions", "hidden_states", "_slot_mapping_buffer"):
+            buffer = getattr(self, name)
+            grown = buffer.new_zeros((buffer.shape[0] + capacity, *buffer.shape[1:]))
+            grown[: buffer.shape[0]] = buffer
+            setattr(self, name, grown)
+        return DeferredHeadRows(capacity)
 
     @property
     def warming_up(self) -> bool:
@@ -359,13 +402,101 @@ class EchoProposer(EagleProposer):
         on_cpu = self._depth.device.type == "cpu"
         # The early-exit test is exact for chains only (a tree's deeper siblings rank after every spine node).
         self._early_cap = plan.k_cap if (on_cpu and depth > 1 and not self._tree_step) else None
+        self._defer_head_now = depth == 0 and self.deferred_head is not None
         try:
             return super().propose(depth, *args, **kwargs)
         except _DraftingDone:
             return torch.stack(self._echo_ids, dim=1)
+        except _HeadDeferred:
+            batch = kwargs["common_attn_metadata"].batch_size()
+            return torch.empty((batch, 0), dtype=torch.int64, device=self._depth.device)
         finally:
+            self._defer_head_now = False
             # vLLM's propose keeps the depth it was given; its dummy runs read it later: restore the configured one.
             self.num_speculative_tokens = self.max_depth
+
+    def set_inputs_first_pass(
+        self,
+        target_token_ids,
+        next_token_ids,
+        target_positions,
+        target_hidden_states,
+        token_indices_to_sample,
+        cad,
+        num_rejected_tokens_gpu,
+    ):
+        """vLLM's first-pass inputs, then (defer_plain_head) either kept for later on a plain step (the head does
+        not run: `_HeadDeferred`) or merged with the rows kept from earlier plain steps."""
+        num_tokens, indices, cad = super().set_inputs_first_pass(
+            target_token_ids,
+            next_token_ids,
+            target_positions,
+            target_hidden_states,
+            token_indices_to_sample,
+            cad,
+            num_rejected_tokens_gpu,
+        )
+        kept = self.deferred_head
+        if kept is None:
+            return num_tokens, indices, cad
+        defer, self._defer_head_now = self._defer_head_now, False
+        if defer:
+            rows = self._first_pass_rows(num_tokens, indices, cad, valid_only=True)
+            if kept.can_take(rows.num_rows):
+                kept.append(rows)
+                raise _HeadDeferred
+        if kept.num_rows == 0:
+            return num_tokens, indices, cad
+        if self._no_merge:
+            kept.clear()
+            self._head_keys.clear()
+            return num_tokens, indices, cad
+        merged = kept.take_merge(
+            self._first_pass_rows(num_tokens, indices, cad, valid_only=False),
+            cad.query_start_loc,
+            self._request_keys(cad.batch_size()),
+        )
+        self._head_keys.clear()
+        rows, total = merged.rows, merged.rows.num_rows
+        self.input_ids[:total] = rows.input_ids
+        self.positions[:total] = rows.positions
+        self.hidden_states[:total] = rows.hidden
+        qsl = merged.query_start_loc.to(device=cad.query_start_loc.device)
+        cad = cad.replace(
+            query_start_loc=qsl,
+            query_start_loc_cpu=qsl.to("cpu"),
+            num_actual_tokens=total,
+            max_query_len=merged.max_query_len,
+            slot_mapping=rows.slots,
+            positions=None if cad.positions is None else rows.positions.to(cad.positions.dtype),
+            _num_computed_tokens_cache=None,
+            _token_to_req_indices_cache=None,
+        )
+        return total, merged.current_to_merged[indices.long()].to(indices.dtype), cad
+
+    def _first_pass_rows(self, num_tokens: int, indices: torch.Tensor, cad: Any, valid_only: bool) -> HeadRows:
+        """This step's head rows from the buffers set_inputs_first_pass just wrote (valid_only: without the rows
+        of rejected drafts after each request's last valid one; they are copies then)."""
+        qsl = cad.query_start_loc
+        keys = self._request_keys(cad.batch_size())[request_of_rows(qsl, num_tokens)]
+        rows = HeadRows(
+            self.input_ids[:num_tokens],
+            self.positions[:num_tokens],
+            self.hidden_states[:num_tokens],
+            cad.slot_mapping[:num_tokens],
+            keys,
+        )
+        if not valid_only:
+            return rows
+        return rows.select(torch.nonzero(valid_rows(qsl, indices, num_tokens)).squeeze(1))
+
+    def _request_keys(self, batch: int) -> torch.Tensor:
+        """[B] int64: a stable key per request of the batch while it has kept head rows (padding rows: -1 - i)."""
+        req_ids = list(self._runner.input_batch.req_ids[:batch]) if self._runner is not None else []
+        keys = self._head_keys
+        values = [keys.setdefault(rid, len(keys)) for rid in req_ids]
+        values += [-1 - i for i in range(len(values), batch)]
+        return torch.tensor(values, dtype=torch.int64, device=self._depth.device)
 
     def _use_tree_head_rows(self, kwargs: dict) -> None:
         """After a tree step, feed the EAGLE head its inputs in accepted-path order (root, path, the rest), so its
@@ -443,6 +574,10 @@ class EchoProposer(EagleProposer):
         else:
             nodes = ceiling * (self.top_k if self._tree_step else 1)
             self._plan = DraftPlan(self.max_depth, min(int(self.k_max or 0), nodes), False)
+        if self._force_plain > 1 and not self.warming_up:
+            self._force_clock += 1
+            if self._force_clock % self._force_plain:
+                self._plan = DraftPlan(0, 0, False)
 
     def _after_step(self, start: float, drafted: float, batch: int, depth: int) -> None:
         """Step timing: rest = since the last step's proposer ended, draft = this proposer call; a cost sample."""
@@ -830,6 +965,7 @@ class EchoProposer(EagleProposer):
             "tree_moved": self.tree_leaf_accepts,  # accepted nodes off the spine (their KV moved)
             "tree_chain_fallbacks": self.tree_chain_fallbacks,
             "tree_plan_mismatches": self.tree_plan_mismatches,
+            "deferred_head": self.deferred_head.summary() if self.deferred_head is not None else None,
             "calibration": self.calibration_source,
             "sweet_spots": self.calibration.sweet_spots if self.calibration is not None else [],
             **self.faults.summary(),
@@ -840,6 +976,8 @@ class EchoProposer(EagleProposer):
         self.stats.reset()
         self._phase_seconds = dict.fromkeys(self._phase_seconds, 0.0)
         self._timed_steps = self._rest_timed_steps = 0
+        if self.deferred_head is not None:
+            self.deferred_head.reset_counters()
 
     def format_stats(self) -> str:
         return format_stats_line(self.echo_stats())

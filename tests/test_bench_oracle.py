@@ -12,7 +12,7 @@ from echo_vllm.bench.oracle import oracle_bound, oracle_for_run, read_step_log
 class LinearCost:
     """1 ms per step + 0.5 ms per token + 2 ms per draft depth (the batch term makes batch visible)."""
 
-    def step_seconds(self, num_tokens: float, batch: int, draft_depth: int) -> float:
+    def step_seconds(self, num_tokens: float, batch: int, draft_depth: int, verified: float = 0) -> float:
         return 1e-3 * (1.0 + 0.5 * num_tokens + 0.1 * batch + 2.0 * draft_depth)
 
 

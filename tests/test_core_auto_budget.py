@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -303,3 +305,28 @@ def test_this_steps_drafting_is_sunk_so_a_cut_saves_none_of_it():
     budget._curve_cache.clear()
     selection, _ = budget.select(tree, Gates.open(1, 3), 1, DraftPlan(3, 3, False), False, depth=3, chain=True)
     assert selection.counts.tolist() == [0]
+
+
+def test_the_jump_of_verifying_at_all_is_charged_once_to_every_cut_that_verifies():
+    """verify(B) (multi-token queries, the rejection sampler) is paid by any step that verifies a draft, however
+    few: a jump worth more than the likely drafts makes plain decoding the choice, and every cut's price carries
+    it once; in hindsight the depth levels that verified something pay it too."""
+    from echo_vllm.core.auto_budget import DraftPlan
+    from echo_vllm.core.cost_model import CostModel
+    from echo_vllm.core.time_budget import TimeAwareBudget
+
+    flat = CostModel((1.0, 2.0, 4.0, 8.0), (1.0, 1.0, 1.0, 1.0), 0.0, (0.0, 0.0, 0.0, 0.0), 0.0, 4)
+    budget = TimeAwareBudget(3, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None)
+    budget.acceptance.table.fill_(0.5)
+    tree = _chains(torch.log(torch.tensor([[0.6, 0.6, 0.6]])))
+    plan = DraftPlan(3, 3, False)
+    for jump, expected in ((0.0, [3]), (2.0, [0])):  # 1.5 likely tokens: worth a free verify, not a 2 s jump
+        budget.cost_model = dataclasses.replace(flat, verify_terms=(jump, 0.0))
+        budget._curve_cache.clear()
+        rest, _ = budget.curves(1, 3, 3, 3, "cpu")
+        assert rest.tolist() == [1.0] + [1.0 + jump] * 3
+        selection, _ = budget.select(tree, Gates.open(1, 3), 1, plan, False, depth=3, chain=True)
+        assert selection.counts.tolist() == expected
+    budget.cost_model = dataclasses.replace(flat, verify_terms=(1.0, 0.0))
+    budget.observe_verification(torch.tensor([1]), torch.tensor([[1, 2, 3]]), batch=1, drafted_depth=3)
+    assert budget.controller.value == pytest.approx([1.0, 2 / 2.0, 2 / 2.0, 2 / 2.0])

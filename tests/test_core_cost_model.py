@@ -86,9 +86,46 @@ def test_first_pass_cost_is_recovered_and_deep_drafts_are_not_overpriced():
     assert CostModel.from_vector(model.to_vector()) == model
     # The marginal depth costs a chained pass, not the first pass's share (the linear model's bias to shallow).
     assert model.draft_seconds(1, 4) - model.draft_seconds(1, 3) == pytest.approx(0.0006, rel=0.15)
-    # Profiles written before the first-pass terms load as the linear model (zeros).
-    old_vector = model.to_vector()[:-2]
+    # Profiles written before the first-pass terms load as the linear model (zeros); the verify terms came after.
+    old_vector = model.to_vector()[:-4]
     assert CostModel.from_vector(old_vector).first_pass_terms == (0.0, 0.0)
+
+
+def _verifying_samples(n=400, seed=5, noise=0.03):
+    """Plain steps (N = B, nothing verified) and steps verifying K >= 1 drafts, which pay a jump of
+    3 ms + 0.1 ms per request over the curve (the testbed's shape: multi-token queries, the rejection sampler)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        batch = rng.choice([4, 8, 16, 32])
+        verified = 0 if i % 2 else rng.randint(1, 4 * batch)
+        tokens = batch + verified
+        rest = 0.004 + 0.0002 * tokens + (0.003 + 0.0001 * batch if verified else 0.0)
+        depth = rng.randint(0, 4)
+        sample = StepSample(
+            tokens, batch, depth, rest * rng.uniform(1 - noise, 1 + noise), _draft(batch, depth), verified=verified
+        )
+        out.append(sample)
+    return out
+
+
+def test_the_jump_of_verifying_at_all_is_recovered_and_small_budgets_are_not_underpriced():
+    model = fit_cost_model(_verifying_samples())
+    assert model is not None and model.fit_error < 0.05
+    v0, v1 = model.verify_terms
+    assert v0 == pytest.approx(0.003, rel=0.25) and v1 == pytest.approx(0.0001, rel=0.3)
+    for batch in (8, 32):
+        plain = model.step_seconds(batch, batch, 0)
+        one = model.step_seconds(batch + 1, batch, 0, verified=1)
+        assert plain - model.draft_seconds(batch, 0) == pytest.approx(0.004 + 0.0002 * batch, rel=0.08)
+        assert one - plain == pytest.approx(0.003 + 0.0001 * batch + 0.0002, rel=0.15)  # the jump, not 1/B of it
+    assert model.verify_at(8, 0) == 0.0
+    assert CostModel.from_vector(model.to_vector()) == model
+    # Without the verify terms the curve spreads the jump over N = B..2B: one draft looks almost free.
+    flat = dataclasses.replace(model, verify_terms=(0.0, 0.0))
+    assert flat.step_seconds(9, 8, 0, verified=1) - flat.step_seconds(8, 8, 0) < 0.001
+    # Vectors and profiles written before the verify terms load with zeros.
+    assert CostModel.from_vector(model.to_vector()[:-2]).verify_terms == (0.0, 0.0)
 
 
 def test_idle_gaps_do_not_move_the_fit():
@@ -140,8 +177,10 @@ def test_profile_file_round_trip_and_default_path(tmp_path):
     # A profile written before the first-pass terms existed: the linear draft model (zeros).
     raw = json.loads(path.read_text())
     del raw["cost_model"]["first_pass_terms"]
+    del raw["cost_model"]["verify_terms"]
     path.write_text(json.dumps(raw))
     assert load_profile(path, 4)[0].first_pass_terms == (0.0, 0.0)
+    assert load_profile(path, 4)[0].verify_terms == (0.0, 0.0)
     assert default_profile_path(str(tmp_path / "cal.json")) == tmp_path / "cal.budget.json"
     assert default_profile_path(None) is None
 

@@ -31,6 +31,7 @@ HEAVY = (
 RUNNER_PATCHES = [
     "EchoDrafterPatch",
     "EchoVerificationFeedbackPatch",
+    "EchoZeroDraftSamplePatch",
     "EchoTreeInputsPatch",
     "EchoTreeKVCompactionPatch",
     "EchoTreeCudagraphGuardPatch",

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from echo_vllm.core.acceptance import AcceptanceModel
 from echo_vllm.core.atomic_file import atomic_write_text
-from echo_vllm.core.cost_model import DRAFT_TERMS, FIRST_PASS_TERMS, TREE_TERMS, CostModel
+from echo_vllm.core.cost_model import DRAFT_TERMS, FIRST_PASS_TERMS, TREE_TERMS, VERIFY_TERMS, CostModel
 from echo_vllm.errors import CalibrationError
 
 SCHEMA_VERSION = 1
@@ -37,6 +37,9 @@ class _CostModelJson(BaseModel):
     # Added with the first-pass draft cost; profiles written before it have none (the model linear in depth).
     first_pass_terms: list[float] = Field(
         default_factory=lambda: [0.0, 0.0], min_length=FIRST_PASS_TERMS, max_length=FIRST_PASS_TERMS
+    )
+    verify_terms: list[float] = Field(
+        default_factory=lambda: [0.0, 0.0], min_length=VERIFY_TERMS, max_length=VERIFY_TERMS
     )
 
 
@@ -79,6 +82,7 @@ def save_profile(path: str | os.PathLike[str], cost: CostModel, acceptance: Acce
             "num_samples": cost.num_samples,
             "tree_terms": list(cost.tree_terms),
             "first_pass_terms": list(cost.first_pass_terms),
+            "verify_terms": list(cost.verify_terms),
         },
         "acceptance": acceptance.to_json_dict(),
     }
@@ -128,6 +132,7 @@ def load_profile(
             c.num_samples,
             (c.tree_terms[0], c.tree_terms[1]),
             (c.first_pass_terms[0], c.first_pass_terms[1]),
+            (c.verify_terms[0], c.verify_terms[1]),
         )
         acceptance = AcceptanceModel.from_json_dict(data.acceptance.model_dump(), expected_max_depth, device)
     except (ValueError, RuntimeError) as err:

@@ -10,6 +10,12 @@ prefill chunks), B the number of running requests and d the draft depth drafted 
   draft(B, d) = a + b B + [d >= 1] (f + g B) + d (c + e B): the proposer's fixed work, the drafter's first
                 pass (which also feeds the accepted tokens of the last step: on the testbed it costs 2-3x a chained
                 pass, so a model linear in d overprices deep drafts) and d chained passes at batch B.
+A step whose forward verifies any drafts (V > 0) adds
+  verify(B)   = [V > 0] (v0 + v1 B): what verifying at all costs over a plain step, whatever the number of drafts:
+                multi-token queries (vLLM's CPU attention takes its prefill path for them), the rejection sampler,
+                the padded drafter inputs. On the testbed at batch 8 one verified draft costs ~3 ms more than none
+                and 32 cost ~5 ms: a curve through power-of-two knots alone spreads that jump over N = B..2B and
+                prices small budgets far too low, so the budget buys them on many steps and pays the jump each time.
 A step that verifies a tree with W nodes off the spine (rows whose attention needs the tree mask) adds
   tree(W)     = t0 [W > 0] + t1 W: the tree step's fixed work (positions, masks, compaction) and the masked
                 attention per such row, which a step of N chain tokens does not pay.
@@ -36,6 +42,7 @@ MAX_KNOT_EXPONENT = 16  # knots 1, 2, 4, ..., 65536 tokens: more than any step's
 DRAFT_TERMS = 4  # a, b, c, e of draft(B, d)
 TREE_TERMS = 2  # t0, t1 of tree(W)
 FIRST_PASS_TERMS = 2  # f, g of draft(B, d): the step cost of drafting at all (d >= 1)
+VERIFY_TERMS = 2  # v0, v1 of verify(B): the step cost of verifying at all (V >= 1)
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,7 @@ class StepSample:
     rest_s: float
     draft_s: float
     width: int = 0  # verified nodes off the spine in this step's forward (tree rows)
+    verified: int = 0  # draft tokens verified in this step's forward (0: a plain step)
 
 
 class StepSamples:
@@ -123,19 +131,24 @@ class CostModel:
     num_samples: int
     tree_terms: tuple[float, float] = (0.0, 0.0)
     first_pass_terms: tuple[float, float] = (0.0, 0.0)
+    verify_terms: tuple[float, float] = (0.0, 0.0)
 
     def __post_init__(self) -> None:
         if len(self.knots) < 2 or len(self.knots) != len(self.rest_s):
             raise ValueError("a cost model needs >= 2 knots and one rest time per knot")
         if any(b <= a for a, b in zip(self.knots, self.knots[1:])):
             raise ValueError("cost model knots must be strictly increasing")
-        values = [*self.rest_s, self.per_request_s, *self.draft_terms, *self.tree_terms, *self.first_pass_terms]
+        values = [
+            *self.rest_s, self.per_request_s, *self.draft_terms, *self.tree_terms, *self.first_pass_terms,
+            *self.verify_terms,
+        ]  # fmt: skip
         if (
             len(self.draft_terms) != DRAFT_TERMS
             or len(self.tree_terms) != TREE_TERMS
             or len(self.first_pass_terms) != FIRST_PASS_TERMS
+            or len(self.verify_terms) != VERIFY_TERMS
         ):
-            raise ValueError("a cost model has 4 draft terms, 2 tree terms and 2 first-pass terms")
+            raise ValueError("a cost model has 4 draft terms, 2 tree terms, 2 first-pass terms and 2 verify terms")
         if not all(math.isfinite(v) and v >= 0 for v in values):
             raise ValueError("cost model times must be finite and >= 0")
 
@@ -157,6 +170,11 @@ class CostModel:
         frac = (n - knots[i]) / (knots[i + 1] - knots[i])  # > 1 beyond the last knot: linear extrapolation
         return (1.0 - frac) * values[i] + frac * values[i + 1] + self.per_request_s * batch
 
+    def verify_at(self, batch: int, verified: float) -> float:
+        """verify(B): the extra seconds of a step whose forward verifies `verified` > 0 drafts (0 otherwise)."""
+        v0, v1 = self.verify_terms
+        return v0 + v1 * batch if verified > 0 else 0.0
+
     def tree_at(self, width: int) -> float:
         """`tree_seconds` of one step, on the host."""
         t0, t1 = self.tree_terms
@@ -174,15 +192,15 @@ class CostModel:
         first = f + g * batch if draft_depth >= 1 else 0.0
         return a + b * batch + first + draft_depth * (c + e * batch)
 
-    def step_seconds(self, num_tokens: float, batch: int, draft_depth: int) -> float:
+    def step_seconds(self, num_tokens: float, batch: int, draft_depth: int, verified: float = 0) -> float:
         rest = float(self.rest_seconds(torch.tensor([float(num_tokens)]), batch)[0])
-        return rest + self.draft_seconds(batch, draft_depth)
+        return rest + self.verify_at(batch, verified) + self.draft_seconds(batch, draft_depth)
 
     # -- transport (TP broadcast) -----------------------------------------------------------------------------
 
     def to_vector(self) -> list[float]:
         """Flat floats: [K, knots..., rest..., per_request, draft terms..., fit_error, num_samples, tree terms...,
-        first-pass terms...]."""
+        first-pass terms..., verify terms...]."""
         return [
             float(len(self.knots)),
             *self.knots,
@@ -193,6 +211,7 @@ class CostModel:
             float(self.num_samples),
             *self.tree_terms,
             *self.first_pass_terms,
+            *self.verify_terms,
         ]
 
     @classmethod
@@ -204,11 +223,12 @@ class CostModel:
         draft = (tail[1], tail[2], tail[3], tail[4])
         tree = (tail[7], tail[8]) if len(tail) >= 9 else (0.0, 0.0)
         first = (tail[9], tail[10]) if len(tail) >= 11 else (0.0, 0.0)
-        return cls(knots, rest, tail[0], draft, tail[5], int(tail[6]), tree, first)
+        verify = (tail[11], tail[12]) if len(tail) >= 13 else (0.0, 0.0)
+        return cls(knots, rest, tail[0], draft, tail[5], int(tail[6]), tree, first, verify)
 
 
 def vector_length(num_knots: int) -> int:
-    return 1 + 2 * num_knots + 1 + DRAFT_TERMS + 2 + TREE_TERMS + FIRST_PASS_TERMS
+    return 1 + 2 * num_knots + 1 + DRAFT_TERMS + 2 + TREE_TERMS + FIRST_PASS_TERMS + VERIFY_TERMS
 
 
 def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> CostModel | None:
@@ -222,24 +242,29 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
     rest = torch.tensor([s.rest_s for s in rows], dtype=torch.float64)
     draft = torch.tensor([s.draft_s for s in rows], dtype=torch.float64)
     width = torch.tensor([s.width for s in rows], dtype=torch.float64)
+    verifying = torch.tensor([1.0 if s.verified > 0 else 0.0 for s in rows], dtype=torch.float64)
 
     knots = torch.tensor(_knots_for(float(n.max())), dtype=torch.float64)
     k = knots.numel()
     tree_cols = torch.stack([(width > 0).to(torch.float64), width], dim=1)
-    x_rest = torch.cat([_hat_basis(n, knots), batch.unsqueeze(1), tree_cols], dim=1)
+    verify_cols = torch.stack([verifying, verifying * batch], dim=1)
+    x_rest = torch.cat([_hat_basis(n, knots), batch.unsqueeze(1), tree_cols, verify_cols], dim=1)
     # Second differences of the knot values (in units of the typical step) tie unobserved knots to their neighbours;
     # the batch term gets a plain ridge, so that with B and N collinear (pure decode) the curve takes the cost.
-    diff = torch.zeros((max(0, k - 2), k + 1 + TREE_TERMS), dtype=torch.float64)
+    extra = 1 + TREE_TERMS + VERIFY_TERMS  # columns after the knots: per request, tree, verify
+    diff = torch.zeros((max(0, k - 2), k + extra), dtype=torch.float64)
     for i in range(k - 2):
         diff[i, i], diff[i, i + 1], diff[i, i + 2] = 1.0, -2.0, 1.0
     penalty = ridge * len(rows) * (diff.t() @ diff)
-    # The batch and tree terms get a plain ridge: with no tree step among the samples their columns are zero.
-    for col in range(k, k + 1 + TREE_TERMS):
+    # The batch, tree and verify terms get a plain ridge: with no tree step (or no plain step) among the samples
+    # their columns are zero (or collinear with the curve).
+    for col in range(k, k + extra):
         penalty[col, col] += 1e-6 * len(rows)
     v = _robust_lstsq(x_rest, rest, penalty)
     curve = torch.cummax(v[:k].clamp(min=0.0), dim=0).values  # time never falls as the step grows
     per_request = max(0.0, float(v[k]))
     tree = (max(0.0, float(v[k + 1])), max(0.0, float(v[k + 2])))
+    verify = (max(0.0, float(v[k + 3])), max(0.0, float(v[k + 4])))
 
     drafts = (depth >= 1).to(torch.float64)
     x_draft = torch.stack([torch.ones_like(batch), batch, depth, depth * batch, drafts, drafts * batch], dim=1)
@@ -251,6 +276,7 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
         _hat_basis(n, knots) @ curve
         + per_request * batch
         + tree_cols @ torch.tensor(tree, dtype=torch.float64)
+        + verify_cols @ torch.tensor(verify, dtype=torch.float64)
         + x_draft @ torch.tensor(terms, dtype=torch.float64)
     )
     observed = rest + draft
@@ -264,4 +290,5 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
         len(rows),
         tree,
         (terms[4], terms[5]),
+        verify,
     )

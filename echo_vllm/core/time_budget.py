@@ -154,7 +154,9 @@ class TimeAwareBudget:
             assert cost is not None
             sizes = batch + torch.arange(num_nodes + 1, dtype=torch.float64)
             draft = torch.full((depth + 1,), cost.draft_seconds(batch, planned_depth), dtype=torch.float64)
-            cached = (cost.rest_seconds(sizes, batch).to(device), draft.to(device))
+            rest = cost.rest_seconds(sizes, batch)
+            rest[1:] += cost.verify_at(batch, 1)  # any cut that verifies something pays verify(B)
+            cached = (rest.to(device), draft.to(device))
             if len(self._curve_cache) > 256:  # batch sizes churn under load: keep the cache small
                 self._curve_cache.clear()
             self._curve_cache[key] = cached
@@ -180,7 +182,8 @@ class TimeAwareBudget:
         depths = verified_depths.long().reshape(-1)
         nodes = ((depths.unsqueeze(0) <= levels.unsqueeze(1)) & (depths.unsqueeze(0) > 0)).sum(dim=1)
         host = torch.stack([emitted, nodes]).tolist()
-        rest = [cost.rest_at(batch + n, batch) for n in host[1]]  # per depth level, not per request
+        # Per depth level, not per request; a level that verifies anything pays verify(B) on top.
+        rest = [cost.rest_at(batch + n, batch) + cost.verify_at(batch, n) for n in host[1]]
         rates = [
             (batch + host[0][d]) / max(rest[d] + cost.draft_seconds(batch, d), 1e-12) for d in range(drafted_depth + 1)
         ]
@@ -190,7 +193,12 @@ class TimeAwareBudget:
     def add_sample(self, sample: StepSample, warming_up: bool) -> None:
         """A measured step; a step much slower than predicted waited for work and is dropped."""
         if self.cost_model is not None:
-            predicted = self.cost_model.rest_at(sample.num_tokens, sample.batch) + self.cost_model.tree_at(sample.width)
+            cost = self.cost_model
+            predicted = (
+                cost.rest_at(sample.num_tokens, sample.batch)
+                + cost.verify_at(sample.batch, sample.verified)
+                + cost.tree_at(sample.width)
+            )
             if sample.rest_s > IDLE_FACTOR * max(predicted, 1e-6):
                 return
         profiling = self.phase(warming_up) != "auto" and len(self.samples.profile) < MAX_PROFILE_SAMPLES

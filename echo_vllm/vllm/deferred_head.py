@@ -36,6 +36,12 @@ class HeadRows:
     def num_rows(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def copy(self) -> HeadRows:
+        """The rows as their own tensors (the proposer's buffers they view are overwritten next step)."""
+        return HeadRows(
+            self.input_ids.clone(), self.positions.clone(), self.hidden.clone(), self.slots.clone(), self.keys.clone()
+        )
+
     def select(self, index: torch.Tensor) -> HeadRows:
         return HeadRows(
             self.input_ids[index], self.positions[index], self.hidden[index], self.slots[index], self.keys[index]

@@ -375,6 +375,33 @@ class EchoVerificationFeedbackPatch(EchoPatch):
         return propose_draft_token_ids
 
 
+class EchoZeroDraftSamplePatch(EchoPatch):
+    """A step that verifies no drafts samples with the plain sampler, as a no-spec engine does.
+
+    vLLM 0.32's runner builds spec-decode metadata on every step of a speculative engine, so a step whose
+    scheduled drafts are all empty (ECHO chose plain decoding) still runs the rejection sampler for one bonus token
+    per request: ~0.25 ms per step on the 2-core testbed at batch 8. With no draft to accept or reject, that is
+    sampling the target's next token: `Sampler` does exactly that (the same logits rows: `logits_indices` is one
+    row per request then), the no-spec path. Only for EchoProposer's runners; any other step goes to vLLM."""
+
+    hook = "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample"
+    why = "a step with no drafts at all samples with the plain sampler (no rejection sampling of zero drafts)"
+    params = ("self", "logits", "spec_decode_metadata")
+
+    @classmethod
+    def build(cls, original):
+        def _sample(self, logits, spec_decode_metadata):
+            if (
+                spec_decode_metadata is not None
+                and spec_decode_metadata.max_spec_len == 0
+                and hasattr(getattr(self, "drafter", None), "observe_verification")
+            ):
+                return original(self, logits, None)
+            return original(self, logits, spec_decode_metadata)
+
+        return _sample
+
+
 class EchoTreeInputsPatch(EchoPatch):
     """After the runner's own input preparation: this step's trees (`tree_state.TreeBatch`) from the drafter's
     plans and the scheduled drafts, tree positions (context + depth) for the draft rows, published for the
@@ -558,6 +585,7 @@ PATCHES: tuple[type[EchoPatch], ...] = (
     EchoEngineConfigPatch,
     EchoDrafterPatch,
     EchoVerificationFeedbackPatch,
+    EchoZeroDraftSamplePatch,
     EchoTreeInputsPatch,
     EchoTreeKVCompactionPatch,
     EchoTreeCudagraphGuardPatch,

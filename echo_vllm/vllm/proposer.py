@@ -80,7 +80,7 @@ WIDTH_PATIENCE = 8  # tree steps in a row without a sibling bought before siblin
 
 # Rows the head may keep waiting, per max_num_seqs (the proposer's buffers grow by this): at one row per decoding
 # request per plain step, up to this many plain steps in a row defer the head; then a plain step runs it.
-DEFERRED_HEAD_STEPS = 8
+DEFERRED_HEAD_STEPS = 16
 DEFERRED_HEAD_NO_MERGE_ENV = "ECHO_VLLM_DEFERRED_HEAD_NO_MERGE"  # tests: drop the kept rows instead of merging
 FORCE_PLAIN_ENV = "ECHO_VLLM_FORCE_PLAIN"  # tests: N > 1 = once calibrated, only every N-th step drafts
 
@@ -188,6 +188,7 @@ class EchoProposer(EagleProposer):
         self._init_budget(device)
         self.deferred_head = self._init_deferred_head(vllm_config)
         self._defer_head_now = False  # set by _draft on a plain step, read by set_inputs_first_pass
+        self._verified_in_forward = 0  # draft tokens the step's target forward verified (set by the feedback)
         self._head_keys: dict[str, int] = {}  # request id -> key of its kept head rows (cleared at each merge)
         self._no_merge = os.environ.get(DEFERRED_HEAD_NO_MERGE_ENV) == "1"
         self._force_plain = int(os.environ.get(FORCE_PLAIN_ENV) or 0)
@@ -488,6 +489,9 @@ class EchoProposer(EagleProposer):
         )
         if not valid_only:
             return rows
+        last = qsl[1:] - 1
+        if indices.shape == last.shape and torch.equal(indices.to(last.dtype), last):  # no rejected rows: copy all
+            return rows.copy()
         return rows.select(torch.nonzero(valid_rows(qsl, indices, num_tokens)).squeeze(1))
 
     def _request_keys(self, batch: int) -> torch.Tensor:
@@ -593,7 +597,9 @@ class EchoProposer(EagleProposer):
             self._phase_seconds["rest"] += rest_s
             self._rest_timed_steps += 1
             if self.budget is not None:
-                sample = StepSample(num_tokens, batch, depth, rest_s, draft_s, self.forward_fix_rows)
+                sample = StepSample(
+                    num_tokens, batch, depth, rest_s, draft_s, self.forward_fix_rows, self._verified_in_forward
+                )
                 self.budget.add_sample(sample, self.warming_up)
         self._last_end = end
 
@@ -786,6 +792,7 @@ class EchoProposer(EagleProposer):
         self._step_start = time.perf_counter()  # the proposer's part of the step starts here
         self._feedback_faulted = False
         self._last_accepted = []
+        self._verified_in_forward = 0
         if self.faults.disabled:
             return
         try:
@@ -799,11 +806,12 @@ class EchoProposer(EagleProposer):
                 raise
 
     def _observe(self, req_ids: list[str], sampled_token_ids: Any, spec_decode_metadata: Any) -> None:
+        num_draft = [] if spec_decode_metadata is None else [int(n) for n in spec_decode_metadata.num_draft_tokens]
+        self._verified_in_forward = sum(num_draft)  # this step's cost sample: did its forward verify drafts
         pending, self._pending = self._pending, None
         if pending is None:
             return
         index_of, confidence = pending.row_of_request, pending.confidence
-        num_draft = [] if spec_decode_metadata is None else [int(n) for n in spec_decode_metadata.num_draft_tokens]
         rows = [
             (i, index_of[rid]) for i, rid in enumerate(req_ids) if num_draft and num_draft[i] > 0 and rid in index_of
         ]

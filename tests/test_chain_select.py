@@ -135,7 +135,7 @@ def test_the_time_aware_cut_is_time_aware_budget_select(seed, batch, depth, prob
     rest, draft = budget.curves(batch, batch * depth, depth, plan.depth, "cpu")
     ours = chain_select_reference(
         inputs, gate_on, tau, acceptance.table, rest, draft, base_tokens=float(batch), k_cap=plan.k_cap,
-        k_min=batch if probe else 0, surplus_tail=surplus_tail,
+        k_min=plan.k_cap if probe else 0, surplus_tail=surplus_tail,
     )  # fmt: skip
     assert selection is not None and predicted is not None
     assert torch.equal(ours.counts, selection.counts)

@@ -361,3 +361,20 @@ def test_probes_back_off_while_plain_decoding_wins_and_plain_needs_a_margin_to_l
         control.observe(1)
         steps_to_next += 1
     assert steps_to_next + 1 == 4
+
+
+def test_a_probe_verifies_every_draft_even_where_nothing_pays():
+    """A probe is a measurement: cut by the budget (at least one draft per request, as before), the hindsight
+    values of deeper depths were capped by the probe's own cut, so a plan that chose plain decoding saw every
+    depth below plain at every probe and never drafted again (batch 1 on the testbed: 0.74x EAGLE-3@4)."""
+    from echo_vllm.core.auto_budget import DraftPlan
+    from echo_vllm.core.cost_model import CostModel
+    from echo_vllm.core.time_budget import TimeAwareBudget
+
+    budget = TimeAwareBudget(3, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None)
+    budget.cost_model = CostModel((1.0, 2.0, 4.0, 8.0), (1.0, 2.0, 4.0, 8.0), 0.0, (0.0, 0.0, 0.0, 0.0), 0.0, 4)
+    budget.acceptance.table.fill_(0.05)  # verifying anything costs more than it brings
+    tree = _chains(torch.log(torch.tensor([[0.3, 0.3, 0.3], [0.2, 0.2, 0.2]])))
+    plain, _ = budget.select(tree, Gates.open(2, 3), 2, DraftPlan(3, 6, False), False, depth=3, chain=True)
+    probe, _ = budget.select(tree, Gates.open(2, 3), 2, DraftPlan(3, 6, True), False, depth=3, chain=True)
+    assert plain.counts.tolist() == [0, 0] and probe.counts.tolist() == [3, 3]

@@ -207,7 +207,7 @@ def drafting_can_stop(
 class DraftPlan(NamedTuple):
     depth: int  # draft depth for this step (0 = no drafts, the drafter's first pass still runs)
     k_cap: int  # at most this many candidates may be verified
-    probe: bool  # a probe step: full depth, and at least one draft per request verified
+    probe: bool  # a probe step: full depth, and every draft verified (each depth measured in hindsight)
 
 
 # Leaving plain decoding pays a switch (the deferred head rows' catch-up pass; a verify step's fixed cost): a depth
@@ -224,8 +224,9 @@ class DraftController:
     `TimeAwareBudget.observe_verification`). An exponential average per depth (weight `alpha`) over the steps that
     drafted at least that deep estimates each depth's worth; the plan drafts to the best. Realised acceptance, not
     the model's, so that a pessimistic acceptance table cannot keep drafting shallow. Depths deeper than the plan
-    are re-measured by probe steps (every `probe_interval` steps: full depth, at least one draft per request
-    verified) and, until measured, by drafting to full depth. k_cap: four times the largest budget of the last
+    are re-measured by probe steps (every `probe_interval` steps: full depth, every draft verified — a probe that
+    verified only what the budget wanted would see deeper depths capped by its own cut, and plain decoding,
+    once chosen, would never be left) and, until measured, by drafting to full depth. k_cap: four times the largest budget of the last
     `window` steps, at least twice the batch size (a trust region that can quadruple per step; it is what lets the
     early exit of drafting fire at large batches), the ceiling on probes. Decisions depend on step counts and on
     data every TP rank shares.

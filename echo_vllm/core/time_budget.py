@@ -132,7 +132,7 @@ class TimeAwareBudget:
             base_tokens=float(batch),
             k_cap=plan.k_cap,
             surplus_tail=self.surplus_tail,
-            k_min=batch if plan.probe else 0,
+            k_min=plan.k_cap if plan.probe else 0,  # a probe measures every depth: it verifies all it drafted
             tree_terms=self.cost_model.tree_terms if self.cost_model is not None else (0.0, 0.0),
         )
         return auto.selection, auto.choice.predicted_accepted

@@ -694,7 +694,7 @@ class EchoProposer(EagleProposer):
         plan, budget, tail = self._plan, self.budget, self.echo_settings.surplus_tail
         if budget is not None and budget.phase(self.warming_up) == "auto":
             rest, draft = budget.curves(batch, batch * depth, depth, plan.depth, logps.device)
-            k_min = batch if plan.probe else 0
+            k_min = plan.k_cap if plan.probe else 0  # a probe verifies all it drafted: every depth is measured
             result = chain_select(
                 inputs, gate_on, tau, budget.acceptance.table, rest, draft,
                 base_tokens=float(batch), k_cap=plan.k_cap, k_min=k_min, surplus_tail=tail,

@@ -85,8 +85,7 @@ class EchoSettings(BaseModel):
         default=16,
         ge=0,
         description="k_max 'auto': every this many steps draft at full depth and verify every draft, so that "
-        "acceptance statistics and every depth's worth stay measured when the budget has shrunk (0 = never; while "
-        "plain decoding keeps winning the interval doubles, up to 8x).",
+        "acceptance statistics and every depth's worth stay measured when the budget has shrunk (0 = never).",
     )
     defer_plain_head: bool = Field(
         default=True,

@@ -332,37 +332,6 @@ def test_the_jump_of_verifying_at_all_is_charged_once_to_every_cut_that_verifies
     assert budget.controller.value == pytest.approx([1.0, 2 / 2.0, 2 / 2.0, 2 / 2.0])
 
 
-def test_probes_back_off_while_plain_decoding_wins_and_plain_needs_a_margin_to_leave():
-    control = DraftController(2, window=2, probe_interval=4, alpha=1.0)
-    control.observe_levels([1.0, 0.8, 0.7])  # plain leads
-    probes = []
-    for step in range(60):
-        plan = control.plan(8, 16)
-        if plan.probe:
-            probes.append(step)
-        control.observe(0)
-    assert probes[0] == 3
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert gaps[:4] == [8, 16, 32, 32][: len(gaps[:4])] and max(gaps) == 32  # doubling, capped at 8 x interval
-    # Plain plans stay plain until a depth beats plain by the margin ...
-    control.observe_levels([1.0, 1.04, 0.7])
-    assert control.plan(8, 16).depth == 0
-    control.observe_levels([1.0, 1.2, 0.7])
-    assert control.plan(8, 16).depth == 1
-    # ... and once drafting, the best depth wins outright again (no margin the other way).
-    control.observe_levels([1.0, 1.02, 0.7])
-    assert control.plan(8, 16).depth == 1
-    # A probe after a drafting plan comes after the plain interval again.
-    while not control.plan(8, 16).probe:
-        control.observe(1)
-    control.observe(1)
-    steps_to_next = 0
-    while not control.plan(8, 16).probe:
-        control.observe(1)
-        steps_to_next += 1
-    assert steps_to_next + 1 == 4
-
-
 def test_a_probe_verifies_every_draft_even_where_nothing_pays():
     """A probe is a measurement: cut by the budget (at least one draft per request, as before), the hindsight
     values of deeper depths were capped by the probe's own cut, so a plan that chose plain decoding saw every

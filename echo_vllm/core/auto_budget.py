@@ -210,12 +210,6 @@ class DraftPlan(NamedTuple):
     probe: bool  # a probe step: full depth, and every draft verified (each depth measured in hindsight)
 
 
-# Leaving plain decoding pays a switch (the deferred head rows' catch-up pass; a verify step's fixed cost): a depth
-# must beat plain by this much in hindsight before a plain plan drafts again.
-LEAVE_PLAIN_MARGIN = 0.05
-MAX_PROBE_BACKOFF_LOG2 = 3  # while plain keeps winning, probes space out up to 8 x probe_interval
-
-
 class DraftController:
     """Each step's draft depth and candidate cap, from what recent steps were worth at each depth.
 
@@ -230,11 +224,6 @@ class DraftController:
     `window` steps, at least twice the batch size (a trust region that can quadruple per step; it is what lets the
     early exit of drafting fire at large batches), the ceiling on probes. Decisions depend on step counts and on
     data every TP rank shares.
-
-    At high load plain decoding is often the best plan, and a probe there is the dearest step of all (full depth,
-    a draft verified for every request, the deferred head's catch-up). So while the plan stays plain, each probe
-    doubles the wait for the next (up to 8 x probe_interval); and a plain plan drafts again only when a depth beats
-    plain by LEAVE_PLAIN_MARGIN (hysteresis: the switch has a cost the hindsight values do not carry).
     """
 
     def __init__(self, max_depth: int, *, window: int = 8, probe_interval: int = 16, alpha: float = 0.2) -> None:
@@ -244,24 +233,14 @@ class DraftController:
         self._budget: deque[int] = deque(maxlen=window)
         self.value: list[float | None] = [None] * (max_depth + 1)  # per depth: average tokens/s, None unmeasured
         self.steps = 0
-        self._next_probe = probe_interval - 1  # the step of the next probe
-        self._plain_probes = 0  # probes in a row after which the plan stayed plain
-        self._last_depth: int | None = None  # the last planned depth off probes
 
     def plan(self, batch: int, ceiling: int) -> DraftPlan:
         """ceiling: the most candidates this step can have (B x nodes per request)."""
-        probe = self.probe_interval > 0 and self.steps >= self._next_probe
-        if probe:
-            self._plain_probes = self._plain_probes + 1 if self._last_depth == 0 else 0
-            wait = self.probe_interval * 2 ** min(self._plain_probes, MAX_PROBE_BACKOFF_LOG2)
-            self._next_probe = self.steps + wait
+        probe = self.probe_interval > 0 and self.steps % self.probe_interval == self.probe_interval - 1
         if probe or any(v is None for v in self.value):
             return DraftPlan(self.max_depth, ceiling, probe)
         values = [v if v is not None else float("-inf") for v in self.value]
         depth = max(range(len(values)), key=lambda d: (values[d], -d))  # the best; the shallowest among equals
-        if self._last_depth == 0 and depth > 0 and values[depth] < values[0] * (1 + LEAVE_PLAIN_MARGIN):
-            depth = 0
-        self._last_depth = depth
         return DraftPlan(depth, min(ceiling, max(4 * max(self._budget, default=0), 2 * batch)), False)
 
     def observe(self, budget: int) -> None:

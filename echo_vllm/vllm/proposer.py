@@ -859,7 +859,11 @@ class EchoProposer(EagleProposer):
                 self._record_tree_acceptance(pending.listed, confidence[old], old, cur, verified, tree_accepted)
             else:
                 self.budget.acceptance.record(confidence[old], mask, depths < verified_depth.unsqueeze(1))
-            self.budget.observe_verification(accepted, node_depths, len(index_of), pending.drafted_depth)
+            if pending.predicted:
+                # Hindsight only from steps the time-aware budget cut: warm-up and profile steps verify what their
+                # sweep says, which caps deeper levels by the sweep's cut, not by acceptance (the plan started
+                # plain at batch 1 after a profile whose fractions verified little).
+                self.budget.observe_verification(accepted, node_depths, len(index_of), pending.drafted_depth)
         if self.calibration is None and self.echo_settings.warmup_steps > 0:
             self.recorder.record(confidence[old], mask, verified_depth)
             self.warmup_recorded += 1

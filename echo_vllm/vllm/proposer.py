@@ -444,13 +444,6 @@ class EchoProposer(EagleProposer):
         defer, self._defer_head_now = self._defer_head_now, False
         if defer:
             rows = self._first_pass_rows(num_tokens, indices, cad, valid_only=True)
-            if not kept.can_take(rows.num_rows) and rows.num_rows <= kept.capacity:
-                # Full after a long plain stretch: drop the kept rows rather than run the head for them now. A
-                # catch-up pass is the dearest head pass there is (hundreds of multi-token query rows: ~26 ms at
-                # batch 32 on the testbed, every 16 plain steps), paid for drafts that plain decoding may never
-                # make; dropped, only the head's KV at those older positions stays unwritten (drafts may suffer
-                # there, output cannot), and the next merge takes the contiguous rows kept since.
-                kept.clear()
             if kept.can_take(rows.num_rows):
                 kept.append(rows)
                 raise _HeadDeferred

@@ -79,8 +79,9 @@ WIDTH_PATIENCE = 8  # tree steps in a row without a sibling bought before siblin
 
 
 # Rows the head may keep waiting, per max_num_seqs (the proposer's buffers grow by this): at one row per decoding
-# request per plain step, up to this many plain steps in a row; then the kept rows are dropped and deferral goes on.
-# (A plain step whose own rows exceed the capacity, a long prefill chunk, runs the head, merging what was kept.)
+# request per plain step, up to this many plain steps in a row; then a plain step runs the head (merging them).
+# (Dropping them instead was tried: a prefill chunk arriving on a full stash then left holes in the head's KV, and
+# the drafts were no longer the head-every-step ones; it bought no measurable step time.)
 DEFERRED_HEAD_STEPS = 16
 DEFERRED_HEAD_NO_MERGE_ENV = "ECHO_VLLM_DEFERRED_HEAD_NO_MERGE"  # tests: drop the kept rows instead of merging
 FORCE_PLAIN_ENV = "ECHO_VLLM_FORCE_PLAIN"  # tests: N > 1 = once calibrated, only every N-th step drafts

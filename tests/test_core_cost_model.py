@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,6 +128,47 @@ def test_the_jump_of_verifying_at_all_is_recovered_and_small_budgets_are_not_und
     assert flat.step_seconds(9, 8, 0, verified=1) - flat.step_seconds(8, 8, 0) < 0.001
     # Vectors and profiles written before the verify terms load with zeros.
     assert CostModel.from_vector(model.to_vector()[:-2]).verify_terms == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_one_batch_size_a_flat_curve_and_a_small_jump_price_a_verifying_step_as_measured(batch):
+    """One batch size (a low-load server): plain steps have N = B, verifying steps N > B, so the verify jump and
+    the knots above B explain the same steps. An unconstrained fit let those knots fall below rest(B) and put the
+    difference into the jump; clamping the knots up afterwards then priced a verifying step ~4 ms too high (the
+    testbed at batch 1), and the depth plan decoded plain where drafting paid."""
+    rng = random.Random(11 + batch)
+    samples = []
+    for i in range(400):
+        verified = 0 if i % 3 == 0 else rng.randint(1, 4 * batch)
+        rest = 0.0085 + 0.00002 * (batch + verified) + (0.0004 if verified else 0.0)  # the testbed: ~flat, small jump
+        depth = 0 if verified == 0 else 4
+        samples.append(
+            StepSample(
+                batch + verified, batch, depth, rest * rng.uniform(0.85, 1.15), _draft(batch, depth), verified=verified
+            )
+        )
+    model = fit_cost_model(samples)
+    assert model is not None
+    for verified in (1, 2 * batch, 4 * batch):
+        priced = model.rest_at(batch + verified, batch) + model.verify_at(batch, verified)
+        truth = 0.0085 + 0.00002 * (batch + verified) + 0.0004
+        assert priced == pytest.approx(truth, rel=0.06), verified
+    assert model.rest_at(batch, batch) == pytest.approx(0.0085 + 0.00002 * batch, rel=0.06)
+    assert all(b >= a for a, b in zip(model.rest_s, model.rest_s[1:]))
+
+
+def test_a_recorded_batch_1_run_prices_verifying_steps_as_they_were_measured():
+    """The recorded run that showed the bug (tests/assets/cost_samples_testbed_batch1.json): its unconstrained fit
+    had knots 8.3 / 6.2 / 4.1 ms and a 4.9 ms verify jump, clamped to a flat 8.3 ms curve + 4.9 ms, so a step
+    verifying 4 drafts was priced ~13 ms where it measured ~9 ms."""
+    doc = json.loads((Path(__file__).parent / "assets" / "cost_samples_testbed_batch1.json").read_text())
+    samples = [StepSample(int(n), int(b), int(d), r, ds, verified=int(v)) for n, b, d, r, ds, v in doc["samples"]]
+    model = fit_cost_model(samples)
+    assert model is not None
+    for tokens in (1, 5):
+        measured = statistics.median(s.rest_s for s in samples if s.num_tokens == tokens)
+        priced = model.rest_at(tokens, 1) + model.verify_at(1, tokens - 1)
+        assert priced == pytest.approx(measured, rel=0.12), tokens
 
 
 def test_idle_gaps_do_not_move_the_fit():

@@ -231,6 +231,67 @@ def vector_length(num_knots: int) -> int:
     return 1 + 2 * num_knots + 1 + DRAFT_TERMS + 2 + TREE_TERMS + FIRST_PASS_TERMS + VERIFY_TERMS
 
 
+def _nonnegative_lstsq(x: torch.Tensor, y: torch.Tensor, ridge: float) -> torch.Tensor:
+    """`_robust_lstsq` with every coefficient >= 0: a term that would go negative is fixed at 0 and the rest refitted
+    (clamping it afterwards would leave the others fitted to the negative value)."""
+    free = list(range(x.shape[1]))
+    coef = torch.zeros(x.shape[1], dtype=torch.float64)
+    while free:
+        u = _robust_lstsq(x[:, free], y, ridge * torch.eye(len(free), dtype=torch.float64))
+        if bool((u >= 0).all()):
+            coef[free] = u
+            break
+        free.pop(int(u.argmin()))
+    return coef
+
+
+def _monotone_rest_fit(hat: torch.Tensor, extra: torch.Tensor, rest: torch.Tensor, smooth: float) -> torch.Tensor:
+    """The rest curve's knot values (non-decreasing) and the extra terms (>= 0), fitted under those constraints.
+
+    Clamping an unconstrained fit afterwards is wrong when columns are collinear: at one batch size B every plain
+    step has N = B and every verifying step N > B, so the verify jump and the knots above B explain the same steps;
+    an unconstrained fit let those knots fall below rest(B) and put the difference into the jump (batch 1 on the
+    testbed: knots 8.3, 6.2, 4.1 ms, jump 4.9 ms), and raising the knots afterwards priced a verifying step ~4 ms
+    too high, so the depth plan chose plain decoding where drafting paid 1.5x. Instead an active set: knots whose
+    values would fall are pooled with their left neighbour (one shared value, as isotonic regression pools
+    violators), an extra term that would go negative is fixed at 0, and the fit is redone until none does.
+    Returns [knots..., extra...] like the unconstrained solution.
+    """
+    k, e = hat.shape[1], extra.shape[1]
+    group_of = list(range(k))  # knot -> its pool (pools are runs of neighbouring knots)
+    free_extra = list(range(e))
+    # Second differences of the knot values (in units of the typical step) tie unobserved knots to their neighbours;
+    # the extra terms get a plain ridge, so that with B and N collinear (pure decode) the curve takes the cost and
+    # a column of zeros (no tree step, no plain step) stays solvable.
+    diff = torch.zeros((max(0, k - 2), k), dtype=torch.float64)
+    for i in range(k - 2):
+        diff[i, i], diff[i, i + 1], diff[i, i + 2] = 1.0, -2.0, 1.0
+    for _ in range(k + e + 1):
+        pools = sorted(set(group_of))
+        expand = torch.zeros((k, len(pools)), dtype=torch.float64)  # knot values = expand @ pool values
+        for knot, pool in enumerate(group_of):
+            expand[knot, pools.index(pool)] = 1.0
+        x = torch.cat([hat @ expand, extra[:, free_extra]], dim=1)
+        penalty = torch.zeros((x.shape[1], x.shape[1]), dtype=torch.float64)
+        penalty[: len(pools), : len(pools)] = smooth * (expand.t() @ diff.t() @ diff @ expand)
+        penalty[len(pools) :, len(pools) :] += 1e-6 * rest.numel() * torch.eye(len(free_extra), dtype=torch.float64)
+        u = _robust_lstsq(x, rest, penalty)
+        values = expand @ u[: len(pools)]
+        terms = torch.zeros(e, dtype=torch.float64)
+        terms[free_extra] = u[len(pools) :]
+        falls = [j for j in range(1, k) if group_of[j] != group_of[j - 1] and values[j] < values[j - 1] - 1e-12]
+        negative = [c for c in free_extra if terms[c] < 0]
+        if not falls and not negative:
+            break
+        if falls:  # pool the steepest fall first: its neighbours may rise once it is pooled
+            j = min(falls, key=lambda j: float(values[j] - values[j - 1]))
+            old, new = group_of[j], group_of[j - 1]
+            group_of = [new if g == old else g for g in group_of]
+        if negative:
+            free_extra.remove(min(negative, key=lambda c: float(terms[c])))
+    return torch.cat([values.clamp(min=0.0), terms.clamp(min=0.0)])
+
+
 def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> CostModel | None:
     """The robust fit of `CostModel` to the samples; None with fewer than 4 samples (nothing to fit yet)."""
     rows = list(samples)
@@ -248,29 +309,18 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
     k = knots.numel()
     tree_cols = torch.stack([(width > 0).to(torch.float64), width], dim=1)
     verify_cols = torch.stack([verifying, verifying * batch], dim=1)
-    x_rest = torch.cat([_hat_basis(n, knots), batch.unsqueeze(1), tree_cols, verify_cols], dim=1)
-    # Second differences of the knot values (in units of the typical step) tie unobserved knots to their neighbours;
-    # the batch term gets a plain ridge, so that with B and N collinear (pure decode) the curve takes the cost.
-    extra = 1 + TREE_TERMS + VERIFY_TERMS  # columns after the knots: per request, tree, verify
-    diff = torch.zeros((max(0, k - 2), k + extra), dtype=torch.float64)
-    for i in range(k - 2):
-        diff[i, i], diff[i, i + 1], diff[i, i + 2] = 1.0, -2.0, 1.0
-    penalty = ridge * len(rows) * (diff.t() @ diff)
-    # The batch, tree and verify terms get a plain ridge: with no tree step (or no plain step) among the samples
-    # their columns are zero (or collinear with the curve).
-    for col in range(k, k + extra):
-        penalty[col, col] += 1e-6 * len(rows)
-    v = _robust_lstsq(x_rest, rest, penalty)
-    curve = torch.cummax(v[:k].clamp(min=0.0), dim=0).values  # time never falls as the step grows
-    per_request = max(0.0, float(v[k]))
-    tree = (max(0.0, float(v[k + 1])), max(0.0, float(v[k + 2])))
-    verify = (max(0.0, float(v[k + 3])), max(0.0, float(v[k + 4])))
+    extra_cols = torch.cat([batch.unsqueeze(1), tree_cols, verify_cols], dim=1)  # per request, tree, verify
+    v = _monotone_rest_fit(_hat_basis(n, knots), extra_cols, rest, ridge * len(rows))
+    curve = torch.cummax(v[:k].clamp(min=0.0), dim=0).values  # a no-op but for float rounding
+    per_request = float(v[k])
+    tree = (float(v[k + 1]), float(v[k + 2]))
+    verify = (float(v[k + 3]), float(v[k + 4]))
 
     drafts = (depth >= 1).to(torch.float64)
     x_draft = torch.stack([torch.ones_like(batch), batch, depth, depth * batch, drafts, drafts * batch], dim=1)
     num_terms = DRAFT_TERMS + FIRST_PASS_TERMS
-    w = _robust_lstsq(x_draft, draft, 1e-9 * len(rows) * torch.eye(num_terms, dtype=torch.float64))
-    terms = tuple(max(0.0, float(t)) for t in w)
+    w = _nonnegative_lstsq(x_draft, draft, 1e-9 * len(rows))
+    terms = tuple(float(t) for t in w)
 
     predicted = (
         _hat_basis(n, knots) @ curve

@@ -318,7 +318,6 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
 
     drafts = (depth >= 1).to(torch.float64)
     x_draft = torch.stack([torch.ones_like(batch), batch, depth, depth * batch, drafts, drafts * batch], dim=1)
-    num_terms = DRAFT_TERMS + FIRST_PASS_TERMS
     w = _nonnegative_lstsq(x_draft, draft, 1e-9 * len(rows))
     terms = tuple(float(t) for t in w)
 

@@ -347,3 +347,40 @@ def test_a_probe_verifies_every_draft_even_where_nothing_pays():
     plain, _ = budget.select(tree, Gates.open(2, 3), 2, DraftPlan(3, 6, False), False, depth=3, chain=True)
     probe, _ = budget.select(tree, Gates.open(2, 3), 2, DraftPlan(3, 6, True), False, depth=3, chain=True)
     assert plain.counts.tolist() == [0, 0] and probe.counts.tolist() == [3, 3]
+
+
+def test_depths_deeper_than_drafted_are_imputed_from_the_continuation_rates():
+    """A step that drafted 2 of 4 depths still values depths 3 and 4 (the plan compares every level on the same
+    step): requests verified to depth 2 pay the deeper nodes, and those that accepted both go on with the measured
+    P(accept j | reached j - 1); requests rejected early add cost and no tokens."""
+    from echo_vllm.core.cost_model import CostModel
+    from echo_vllm.core.time_budget import CONTINUATION_PRIOR, TimeAwareBudget
+
+    cheap = CostModel((1.0, 2.0, 4.0, 8.0), (1.0, 1.0, 1.0, 1.0), 0.0, (0.0, 0.0, 0.1, 0.0), 0.0, 4)
+    budget = TimeAwareBudget(4, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None)
+    budget.cost_model = cheap
+    # A probe first: 10 requests verified 4 deep, all accepted -> continuation rates near 1 at every depth.
+    budget.observe_verification(torch.full((10,), 4), torch.tensor([[1, 2, 3, 4]] * 10), batch=10, drafted_depth=4)
+    rates = budget._continuation_rates()
+    assert all(
+        r == pytest.approx((10 + CONTINUATION_PRIOR * rates[0]) / (10 + CONTINUATION_PRIOR), rel=0.02) for r in rates
+    )
+    assert min(rates) > 0.8
+    fresh = TimeAwareBudget(4, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None)
+    fresh.cost_model, fresh._tried, fresh._passed = cheap, list(budget._tried), list(budget._passed)
+    fresh.observe_verification(torch.tensor([2]), torch.tensor([[1, 2]]), batch=1, drafted_depth=2)
+    after = fresh._continuation_rates()  # its own step counted too (depths 1 and 2)
+    r3, r4 = after[2], after[2] * after[3]
+    expected = [1 / 1.0, 2 / 1.1, 3 / 1.2, (3 + r3) / 1.3, (3 + r3 + r4) / 1.4]
+    assert fresh.controller.value == pytest.approx([v / expected[0] for v in expected], rel=1e-6)
+    # Rejected at depth 1: the deeper levels only cost.
+    rejected = TimeAwareBudget(4, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None)
+    rejected.cost_model = cheap
+    rejected.observe_verification(torch.tensor([0]), torch.tensor([[1, 2]]), batch=1, drafted_depth=2)
+    values = rejected.controller.value
+    assert values[0] > values[1] > values[2] > values[3] > values[4]
+    # A request the budget cut at depth 1 of 2 drafted is neither charged nor credited the deeper nodes.
+    cut = TimeAwareBudget(4, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None)
+    cut.cost_model = cheap
+    cut.observe_verification(torch.tensor([1]), torch.tensor([[1, 0]]), batch=1, drafted_depth=2)
+    assert cut.controller.value[2:] == pytest.approx([2 / 1.2 / 1.0, 2 / 1.3, 2 / 1.4])

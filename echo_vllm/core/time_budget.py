@@ -33,6 +33,10 @@ REFIT_INTERVAL = 64  # steps between refits of the cost model (and refreshes of 
 PROFILE_FRACTIONS = (0.0, 0.5, 1.0, 0.25, 0.75, 0.125)
 IDLE_FACTOR = 4.0  # a step slower than this x the model's prediction waited for work (idle engine): not a sample
 MAX_PROFILE_SAMPLES = 256
+# The depth plan's continuation rates (imputed deeper levels): per-depth counts decay by this per request-step
+# counted, and shrink towards the pooled rate with this many pseudo-samples.
+CONTINUATION_DECAY = 0.01
+CONTINUATION_PRIOR = 4.0
 COST_VECTOR_LENGTH = vector_length(MAX_KNOT_EXPONENT + 1)
 
 Share = Callable[[Sequence[float]], list[float]]
@@ -74,6 +78,8 @@ class TimeAwareBudget:
             self.source = f"file {profile_path}"
         self.profile_done = 0
         self.steps_seen = 0
+        self._tried = [0.0] * max_depth  # continuation counts per depth 1..D (decayed)
+        self._passed = [0.0] * max_depth
         self._curve_cache: dict[tuple[int, int, int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- per step ---------------------------------------------------------------------------------------------
@@ -171,24 +177,70 @@ class TimeAwareBudget:
     ) -> None:
         """A verified step in hindsight, for the depth plan: accepted [R] drafts per request, verified_depths [R, N]
         the depth of each verified node (0 = none), batch the requests of that step, drafted_depth how deep it
-        drafted. Cut at depth d it would have emitted B + sum_i min(accepted_i, d) tokens for the verified nodes of
-        depth <= d and the drafting to depth d; the cost model prices it, and the plan averages each depth's rate
-        over the step's plain-decoding rate. (One small host sync: the counts.)"""
+        drafted. Cut at depth d <= drafted it would have emitted B + sum_i min(accepted_i, d) tokens for the
+        verified nodes of depth <= d and the drafting to depth d; the cost model prices it, and the plan averages
+        each depth's rate over the step's plain-decoding rate. (One small host sync: the counts.)
+
+        Depths deeper than drafted are imputed, so that every level is compared on the same step: the requests
+        that were verified to the drafted depth would each have had the deeper nodes verified too (their cost), and
+        those that accepted all of it would have gone on with the measured continuation rates P(accept depth j |
+        reached j - 1) (`continuation`, counted over every request-step that verified depth j). Without this the
+        deeper levels were measured only by probes (one step in 16, an average over one noisy step each) and the
+        plan sat at a shallow depth between probes (batch 1 on the testbed: 2.3 where depth 4 is best)."""
         cost = self.cost_model
         if cost is None or drafted_depth < 1 or batch < 1:
             return
-        levels = torch.arange(drafted_depth + 1, device=accepted.device)
-        emitted = torch.minimum(accepted.long().unsqueeze(1), levels.unsqueeze(0)).sum(dim=0)
-        depths = verified_depths.long().reshape(-1)
-        nodes = ((depths.unsqueeze(0) <= levels.unsqueeze(1)) & (depths.unsqueeze(0) > 0)).sum(dim=1)
-        host = torch.stack([emitted, nodes]).tolist()
+        d_max = self.max_depth
+        drafted = min(drafted_depth, d_max)
+        levels = torch.arange(drafted + 1, device=accepted.device)
+        acc = accepted.long()
+        emitted = torch.minimum(acc.unsqueeze(1), levels.unsqueeze(0)).sum(dim=0)
+        depths = verified_depths.long().reshape(verified_depths.shape[0], -1)
+        flat = depths.reshape(-1)
+        nodes = ((flat.unsqueeze(0) <= levels.unsqueeze(1)) & (flat.unsqueeze(0) > 0)).sum(dim=1)
+        reach = depths.amax(dim=1) if depths.shape[1] else torch.zeros_like(acc)  # deepest verified node per request
+        # Continuation counts per depth j = 1..drafted: verified to j having reached j - 1, and accepted j.
+        j = levels[1:].unsqueeze(0)
+        tried = ((reach.unsqueeze(1) >= j) & (acc.unsqueeze(1) >= j - 1)).sum(dim=0)
+        passed = ((reach.unsqueeze(1) >= j) & (acc.unsqueeze(1) >= j)).sum(dim=0)
+        at_end = reach == drafted
+        ends = torch.stack([at_end.sum(), (at_end & (acc >= drafted)).sum()])
+        host = torch.cat([emitted, nodes, tried, passed, ends]).tolist()
+        n = drafted + 1
+        emitted_h, nodes_h = host[:n], host[n : 2 * n]
+        tried_h, passed_h = host[2 * n : 2 * n + drafted], host[2 * n + drafted : 2 * n + 2 * drafted]
+        verified_to_end, accepted_to_end = host[-2], host[-1]
+        self._count_continuation(tried_h, passed_h)
+        rates = self._continuation_rates()
+        expected_extra = 0.0
+        reach_p = 1.0
+        for d in range(drafted + 1, d_max + 1):  # imputed levels
+            reach_p *= rates[d - 1]
+            expected_extra += reach_p
+            emitted_h.append(emitted_h[drafted] + accepted_to_end * expected_extra)
+            nodes_h.append(nodes_h[drafted] + verified_to_end * (d - drafted))
         # Per depth level, not per request; a level that verifies anything pays verify(B) on top.
-        rest = [cost.rest_at(batch + n, batch) + cost.verify_at(batch, n) for n in host[1]]
-        rates = [
-            (batch + host[0][d]) / max(rest[d] + cost.draft_seconds(batch, d), 1e-12) for d in range(drafted_depth + 1)
-        ]
+        rates_per_level = [
+            (batch + emitted_h[d]) / max(cost.rest_at(batch + nodes_h[d], batch) + cost.verify_at(batch, nodes_h[d])
+                                         + cost.draft_seconds(batch, d), 1e-12)
+            for d in range(len(emitted_h))
+        ]  # fmt: skip
         # Relative to the step's own plain-decoding rate: steps of different batch sizes average on one scale.
-        self.controller.observe_levels([r / max(rates[0], 1e-12) for r in rates])
+        self.controller.observe_levels([r / max(rates_per_level[0], 1e-12) for r in rates_per_level])
+
+    def _count_continuation(self, tried: list[int], passed: list[int]) -> None:
+        """Decayed counts (memory ~ 1 / CONTINUATION_DECAY request-steps per depth) of the continuation events."""
+        keep = 1.0 - CONTINUATION_DECAY
+        for d, (t, a) in enumerate(zip(tried, passed)):
+            if t:
+                self._tried[d] = keep**t * self._tried[d] + t
+                self._passed[d] = keep**t * self._passed[d] + a
+
+    def _continuation_rates(self) -> list[float]:
+        """P(accept depth j | reached j - 1) per depth: each depth's counts shrunk towards the rate pooled over all
+        depths (a depth no probe reached yet takes the pooled rate)."""
+        pooled = (sum(self._passed) + CONTINUATION_PRIOR * 0.5) / (sum(self._tried) + CONTINUATION_PRIOR)
+        return [(a + CONTINUATION_PRIOR * pooled) / (t + CONTINUATION_PRIOR) for t, a in zip(self._tried, self._passed)]
 
     def add_sample(self, sample: StepSample, warming_up: bool) -> None:
         """A measured step; a step much slower than predicted waited for work and is dropped."""

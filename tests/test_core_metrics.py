@@ -208,3 +208,35 @@ def test_stats_line_with_the_time_aware_budget(tmp_path):
     log = tmp_path / "server.log"
     log.write_text(f"INFO {line}\n")
     assert checks.last_echo_stats(log)["k_max"] == "auto"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_host_accumulators_give_the_tensor_paths_figures(seed):
+    """CPU records into host numbers (a dozen tiny tensor ops per step cost more than 1 % of a batch-1 step); the
+    figures must be the tensor path's, with and without `active` rows, truncations, predictions."""
+    rng = torch.Generator().manual_seed(seed)
+    host, tensors = EchoMetrics(4, host_accumulators=True), EchoMetrics(4, host_accumulators=False)
+    for step in range(25):
+        batch = int(torch.randint(1, 9, (1,), generator=rng))
+        counts = torch.randint(0, 5, (batch,), generator=rng)
+        depth_cap = torch.randint(1, 6, (batch,), generator=rng)  # 5: beyond the drafted depths (dropped bin)
+        truncated = torch.rand(batch, generator=rng) < 0.3
+        active = (torch.rand(batch, generator=rng) < 0.8) if step % 3 == 0 else None
+        k_max = int(torch.randint(0, 20, (1,), generator=rng))
+        accepted = torch.minimum(torch.randint(0, 5, (batch,), generator=rng), counts)
+        predicted = torch.rand((), generator=rng, dtype=torch.float64) * batch
+        for m in (host, tensors):
+            m.record_selection(counts, k_max, depth_cap, truncated if step % 4 else None, active)
+            m.record_plan(int(counts.max()), predicted if step % 2 else None)
+            m.record_verification(accepted + 1, accepted, counts, counts, active)
+            m.record_realised(accepted)
+    assert host._host and not tensors._host
+    a, b = host.summary(), tensors.summary()
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], float) and math.isnan(a[key]):
+            assert math.isnan(b[key]), key
+        else:
+            assert a[key] == pytest.approx(b[key]), key
+    assert host.totals() == tensors.totals()  # sums of small integers: exact in float64
+    assert sum(a["truncations_per_depth"]) > 0  # the truncation bins were exercised

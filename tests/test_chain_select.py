@@ -191,3 +191,24 @@ def test_draft_argmax_logp_nan_and_dead_rows_follow_torch():
     want_ids, want_logps = chain_ops.draft_argmax_logp_reference(logits)
     assert int(ids[0]) == int(want_ids[0]) == 5 and int(ids[2]) == int(want_ids[2]) == 2
     assert bool(torch.isnan(logps).all()) and bool(torch.isnan(want_logps).all())  # no usable log-prob anywhere
+
+
+@needs_op
+@pytest.mark.parametrize("vocab", [1, 7, 9, 513, 4099])
+def test_draft_argmax_logp_polynomial_exp_over_ragged_vocabularies_and_wide_logits(vocab):
+    """The op's exp is a polynomial over lanes of 8 in chunks of 512 (it vectorises at the baseline ISA): tails
+    that fill no lane or chunk, logits far below the maximum (exp underflow: x - max < -87), a -inf logit, and the
+    maximum in the last element must all give torch's token and its log-prob."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn((6, vocab), generator=gen) * 40  # spreads of hundreds: most terms underflow
+    logits[1] = torch.randn(vocab, generator=gen) * 0.01  # nearly flat: log-prob ~ -log V
+    logits[2, -1] = 500.0  # the maximum in the tail
+    if vocab > 1:
+        logits[3, 0] = float("-inf")
+    ids, logps = chain_ops.draft_argmax_logp(logits)
+    want_ids, _ = chain_ops.draft_argmax_logp_reference(logits)
+    # The float32 reference loses ~|max| x 1e-7 to cancellation at these magnitudes: compare with float64.
+    exact = (logits.double().max(dim=-1).values - torch.logsumexp(logits.double(), dim=-1)).float()
+    assert torch.equal(ids, want_ids)
+    assert torch.allclose(logps, exact, atol=2e-6, rtol=1e-5), (logps - exact).abs().max()
+    assert bool((logps <= 0).all())

@@ -103,7 +103,7 @@ def test_a_predicted_plain_step_counts_as_realised_zero():
     proposer.stats = EchoMetrics(DEPTH)
     for metadata in (None, types.SimpleNamespace(num_draft_tokens=[0, 0])):
         proposer.stats.record_plan(DEPTH, torch.zeros((), dtype=torch.float64))
-        proposer._pending = PendingVerification({"a": 0, "b": 1}, torch.zeros(2, DEPTH), True, DEPTH)
+        proposer._pending = PendingVerification(["a", "b"], torch.zeros(2, DEPTH), True, DEPTH)
         proposer._observe(["a", "b"], None, metadata)
     assert proposer.stats.predicted_steps == proposer.stats.realised_steps == 2
     assert proposer.stats.summary()["realised_accepted_per_step"] == 0.0

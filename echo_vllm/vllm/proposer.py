@@ -108,11 +108,11 @@ def _tp_rank() -> int:
 class PendingVerification:
     """One step's hand-off to the next: where each request's drafts came from, for their verification result.
 
-    row_of_request: request id -> its row in this step's batch (the next step's batch order may differ);
+    req_ids: the request id of each row of this step's batch (the next step's batch order may differ);
     confidence [B, D]: the depth confidences c_{i,d} the drafts were gated on (calibration samples).
     """
 
-    row_of_request: dict[str, int]
+    req_ids: list[str]
     confidence: torch.Tensor
     predicted: bool = False  # the time-aware budget predicted this selection's accepted drafts
     drafted_depth: int = 0  # how deep the step drafted (the depth plan's hindsight)
@@ -661,7 +661,7 @@ class EchoProposer(EagleProposer):
         padded = torch.zeros((batch, self.max_depth), dtype=confidence.dtype, device=confidence.device)
         padded[:, :depth] = confidence
         self._pending = PendingVerification(
-            {rid: i for i, rid in enumerate(req_ids)},
+            req_ids,
             padded,
             predicted is not None,
             depth,
@@ -808,25 +808,21 @@ class EchoProposer(EagleProposer):
                 raise
 
     def _observe(self, req_ids: list[str], sampled_token_ids: Any, spec_decode_metadata: Any) -> None:
-        num_draft = [] if spec_decode_metadata is None else [int(n) for n in spec_decode_metadata.num_draft_tokens]
+        num_draft = [] if spec_decode_metadata is None else list(spec_decode_metadata.num_draft_tokens)
         self._verified_in_forward = sum(num_draft)  # this step's cost sample: did its forward verify drafts
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        index_of, confidence = pending.row_of_request, pending.confidence
-        rows = [
-            (i, index_of[rid]) for i, rid in enumerate(req_ids) if num_draft and num_draft[i] > 0 and rid in index_of
-        ]
-        if not rows:
+        confidence = pending.confidence
+        device = confidence.device
+        rows = self._verified_rows(pending.req_ids, req_ids, num_draft, device)
+        if rows is None:
             if pending.predicted:
                 # A predicted step that verified nothing (the budget chose plain decoding) realised 0 accepted
                 # drafts: counted, so that predicted and realised per step average over the same steps.
                 self.stats.record_realised(torch.zeros(0, dtype=torch.long))
             return
-        device = confidence.device
-        cur = torch.tensor([r[0] for r in rows], dtype=torch.long, device=device)
-        old = torch.tensor([r[1] for r in rows], dtype=torch.long, device=device)
-        verified = torch.tensor([num_draft[r[0]] for r in rows], dtype=torch.long, device=device)
+        cur, old, verified = rows
         if isinstance(sampled_token_ids, torch.Tensor):
             emitted = (sampled_token_ids[cur] != -1).sum(dim=1)
         else:
@@ -858,12 +854,37 @@ class EchoProposer(EagleProposer):
                 # Hindsight only from steps the time-aware budget cut: warm-up and profile steps verify what their
                 # sweep says, which caps deeper levels by the sweep's cut, not by acceptance (the plan started
                 # plain at batch 1 after a profile whose fractions verified little).
-                self.budget.observe_verification(accepted, node_depths, len(index_of), pending.drafted_depth)
+                self.budget.observe_verification(accepted, node_depths, len(pending.req_ids), pending.drafted_depth)
         if self.calibration is None and self.echo_settings.warmup_steps > 0:
             self.recorder.record(confidence[old], mask, verified_depth)
             self.warmup_recorded += 1
             if self.warmup_recorded >= self.echo_settings.warmup_steps:
                 self._finish_warmup()
+
+    @staticmethod
+    def _verified_rows(
+        drafted_ids: list[str], req_ids: list[str], num_draft: list[int], device: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(rows of this step's batch that verified drafts, their rows in the drafting step's batch, drafts verified
+        per row), or None when no drafted request verified anything. The batch order usually did not change
+        between the two steps (a list comparison, in C); only when it did, the ids are matched one by one."""
+        if not num_draft:
+            return None
+        counts = torch.tensor(num_draft, dtype=torch.long, device=device)
+        if req_ids[: len(drafted_ids)] == drafted_ids or drafted_ids[: len(req_ids)] == req_ids:
+            # Same order (requests may have joined at the end or left from it): row i is row i.
+            cur = torch.nonzero(counts[: min(len(drafted_ids), len(req_ids))] > 0).reshape(-1)
+            old = cur
+        else:
+            index_of = {rid: i for i, rid in enumerate(drafted_ids)}
+            pairs = [(i, index_of[rid]) for i, rid in enumerate(req_ids) if num_draft[i] > 0 and rid in index_of]
+            if not pairs:
+                return None
+            cur = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=device)
+            old = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=device)
+        if cur.numel() == 0:
+            return None
+        return cur, old, counts[cur]
 
     def _record_tree_acceptance(
         self,

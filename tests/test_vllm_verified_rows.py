@@ -1,0 +1,55 @@
+"""Which rows of a step verified drafts, and where they were drafted: the proposer's feedback hand-off.
+
+The batch order usually stays between the drafting step and the verifying one (then row i is row i, with no
+per-request Python); requests can join at the end, leave from the end, or be moved (vLLM condenses its persistent
+batch when a request in the middle finishes): then the ids are matched. Both paths must give the same rows.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from echo_vllm.vllm.proposer import EchoProposer
+
+
+def _by_ids(drafted, current, num_draft):
+    """The rule by hand: every current row with drafts whose request was drafted, and its drafted row."""
+    pairs = [(i, drafted.index(r)) for i, r in enumerate(current) if num_draft[i] > 0 and r in drafted]
+    return pairs
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_verified_rows_match_the_id_by_id_rule(seed):
+    rng = random.Random(seed)
+    drafted = [f"r{i}" for i in range(rng.randint(1, 9))]
+    kind = seed % 4
+    if kind == 0:
+        current = list(drafted)  # unchanged
+    elif kind == 1:
+        current = drafted + [f"new{i}" for i in range(rng.randint(1, 3))]  # joined at the end
+    elif kind == 2:
+        current = drafted[: rng.randint(0, len(drafted))]  # left from the end
+    else:
+        current = list(drafted)
+        rng.shuffle(current)  # moved (condensed)
+        current = current[: rng.randint(0, len(current))] + ["new"]
+    num_draft = [rng.randint(0, 3) if r in drafted else 0 for r in current]
+    got = EchoProposer._verified_rows(drafted, current, num_draft, "cpu")
+    want = _by_ids(drafted, current, num_draft)
+    if not want:
+        assert got is None
+        return
+    assert got is not None
+    cur, old, verified = got
+    assert list(zip(cur.tolist(), old.tolist())) == want
+    assert verified.tolist() == [num_draft[i] for i, _ in want]
+
+
+def test_no_drafts_anywhere_is_none():
+    assert EchoProposer._verified_rows(["a"], ["a"], [], "cpu") is None
+    assert EchoProposer._verified_rows(["a", "b"], ["a", "b"], [0, 0], "cpu") is None
+    cur, old, verified = EchoProposer._verified_rows(["a", "b"], ["b", "a"], [2, 0], "cpu")
+    assert cur.tolist() == [0] and old.tolist() == [1] and verified.tolist() == [2] and cur.dtype == torch.long

@@ -22,7 +22,8 @@ A step that verifies a tree with W nodes off the spine (rows whose attention nee
 
 The samples are the step times the proposer observes (`StepSample`); `fit_cost_model` fits both parts with a few
 Huber-reweighted least-squares passes (robust to the +-20 % noise and to the odd idle gap), a second-difference
-ridge so that knots without samples interpolate their neighbours, then clamps the curve to be non-decreasing.
+ridge so that knots without samples interpolate their neighbours, under the constraints (knots non-decreasing,
+terms >= 0) enforced in the fit by an active set (`_monotone_rest_fit`), not by clamping afterwards.
 `CostModel` is a frozen value: the proposer replaces it at refit points (identically on every TP rank: rank 0's
 fit is broadcast as `to_vector()`), saves it as JSON (`budget_profile.py`) and reloads it at start.
 No vLLM import here.

@@ -75,6 +75,11 @@ def test_prompts_fill_whole_batches_cycling_the_dataset():
     assert prompts_for_batch(data, 4, 2) == ["a", "b", "c", "a"]  # at least one full batch
     assert prompts_for_batch(data, 4, 5) == ["a", "b", "c", "a", "b", "c", "a", "b"]  # rounded up to 2 batches
     assert prompts_for_batch(data, 1, 2) == ["a", "b"]
+    # At least `waves` whole batches: one or two batches are mostly ramp-up and drain (speculation pays them).
+    assert prompts_for_batch(data, 4, 2, waves=3) == ["a", "b", "c"] * 4
+    assert prompts_for_batch(data, 1, 5, waves=3) == ["a", "b", "c", "a", "b"]  # the limit is more already
+    with pytest.raises(BenchPlanError, match="--waves"):
+        prompts_for_batch(data, 4, 2, waves=0)
 
 
 def test_warmup_is_long_enough_for_echo_calibration():
@@ -322,6 +327,10 @@ def test_contract_flags_parse():
     assert default.methods == "nospec,eagle3,echo,echo-auto,echo-tree" and default.eagle3_depths == [1, 2, 3, 4]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "vllm", "--eagle3-depths", "1,x"])
+    assert default.waves == 4
+    bad = build_parser().parse_args(["bench", "vllm", "--waves", "0"])
+    with pytest.raises(BenchPlanError, match="--waves must be >= 1"):
+        vllm_cli.plan_from_args(bad, dataset=["p"])
 
 
 def test_demo_wires_echo_auto_beside_nospec_and_eagle3(tmp_path):
@@ -336,6 +345,7 @@ def test_demo_wires_echo_auto_beside_nospec_and_eagle3(tmp_path):
     assert auto.speculative_config(plan.testbed / "eagle3")["echo"]["k_max"] == "auto"
     assert "echo" in labels  # the fixed K_max beside it: the demo shows ECHO at its best honest setting
     assert plan.rounds >= 3 and plan.batch_sizes == [1, 8]
+    assert plan.waves >= 4  # batch 8 is not one drain-dominated batch
     header = "\n".join(vllm_cli.header_lines(plan, "demo"))
     assert "rounds" in header and "prefix caching off" in header and '"k_max": "auto"' in header
 

@@ -32,6 +32,7 @@ BENCH_DEFAULTS = {
     "batch_sizes": "1,4,8,16,32,64",
     "rounds": 3,
     "limit": 64,
+    "waves": 4,
     "max_tokens": 64,
 }
 # `make demo`: ECHO as configured by default (echo-tree: k_max auto, top_k 4), the same with chains (echo-auto)
@@ -43,6 +44,7 @@ DEMO_DEFAULTS = {
     "batch_sizes": "1,8",
     "rounds": 3,
     "limit": 8,
+    "waves": 4,
     "max_tokens": 32,
 }
 CONTRACT_KEYS = (
@@ -131,6 +133,8 @@ def plan_from_args(args: argparse.Namespace, dataset: list[str] | None = None) -
 
     if args.limit < 1 or args.max_tokens < 1:
         raise BenchPlanError(f"--limit and --max-tokens must be >= 1; got {args.limit} and {args.max_tokens}")
+    if getattr(args, "waves", 1) < 1:
+        raise BenchPlanError(f"--waves must be >= 1 (whole batches of prompts per batch size); got {args.waves}")
     if not args.batch_sizes or min(args.batch_sizes) < 1:
         raise BenchPlanError(f"--batch-sizes: give sizes >= 1; got {args.batch_sizes!r}")
     variants = expand_variants(
@@ -148,6 +152,7 @@ def plan_from_args(args: argparse.Namespace, dataset: list[str] | None = None) -
         dataset=dataset,
         limit=args.limit,
         max_tokens=args.max_tokens,
+        waves=getattr(args, "waves", 1),
         # The untimed warm-up covers ECHO's calibration and (echo-auto) its cost profile: timing starts in steady state.
         warmup_steps=args.warmup_steps + getattr(args, "profile_steps", 24),
     )
@@ -171,7 +176,8 @@ def header_lines(plan: BenchPlan, title: str) -> list[str]:
         title,
         f"  testbed {plan.testbed}; variants {', '.join(settings['variants'])}; batch sizes {plan.batch_sizes}",
         f"  {plan.rounds} interleaved rounds (order rotated each round); medians [min-max] over rounds",
-        f"  >= {plan.limit} prompts per batch size (whole batches; max_num_seqs = batch size), {plan.max_tokens} greedy "
+        f"  >= {plan.limit} prompts and >= {plan.waves} whole batches per batch size (max_num_seqs = batch size), "
+        f"{plan.max_tokens} greedy "
         f"tokens each (ignore_eos), prefix caching off",
         f"  warm-up (untimed, every method, same engine): one full batch x {plan.warmup_max_tokens} tokens "
         f"(>= ECHO's {plan.warmup_steps} calibration + profile steps)",
@@ -316,6 +322,13 @@ def add_vllm_args(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> 
         type=int,
         default=defaults["limit"],
         help="prompts per batch size, at least; rounded up to whole batches (the dataset is cycled if short)",
+    )
+    parser.add_argument(
+        "--waves",
+        type=int,
+        default=defaults["waves"],
+        help="at least this many whole batches of prompts per batch size: with 1-2 the run is mostly ramp-up and "
+        "drain, which speculative methods pay and no-spec does not",
     )
     parser.add_argument("--max-tokens", type=int, default=defaults["max_tokens"])
     parser.add_argument("--depth", type=int, default=4, help="echo, echo-auto: max draft depth")

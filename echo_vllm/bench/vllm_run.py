@@ -44,6 +44,7 @@ class BenchPlan:
     limit: int
     max_tokens: int
     warmup_steps: int
+    waves: int = 1  # at least this many whole batches of prompts per batch size
 
     @property
     def warmup_max_tokens(self) -> int:
@@ -57,6 +58,7 @@ class BenchPlan:
             "batch_sizes": self.batch_sizes,
             "rounds": self.rounds,
             "limit": self.limit,
+            "waves": self.waves,
             "max_tokens": self.max_tokens,
             "warmup_max_tokens": self.warmup_max_tokens,
             "warmup_prompts": "one full batch (the first batch_size prompts), ignore_eos",
@@ -79,7 +81,7 @@ def build_job(
     plan: BenchPlan, variant: Variant, batch_size: int, work: Path, *, profile_key: bool
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """The offline job of one variant at one batch size, and the environment it needs (ECHO's step log)."""
-    prompts = prompts_for_batch(plan.dataset, batch_size, plan.limit)
+    prompts = prompts_for_batch(plan.dataset, batch_size, plan.limit, plan.waves)
     spec = variant.speculative_config(plan.testbed / "eagle3")
     env: dict[str, str] = {}
     if variant.method in ECHO_METHODS:

@@ -184,7 +184,7 @@ class TimeAwareBudget:
         Depths deeper than drafted are imputed, so that every level is compared on the same step: the requests
         that were verified to the drafted depth would each have had the deeper nodes verified too (their cost), and
         those that accepted all of it would have gone on with the measured continuation rates P(accept depth j |
-        reached j - 1) (`continuation`, counted over every request-step that verified depth j). Without this the
+        reached j - 1) (`_continuation_rates`, counted over every request-step that verified depth j). Without this the
         deeper levels were measured only by probes (one step in 16, an average over one noisy step each) and the
         plan sat at a shallow depth between probes (batch 1 on the testbed: 2.3 where depth 4 is best)."""
         cost = self.cost_model

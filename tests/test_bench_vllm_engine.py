@@ -26,6 +26,9 @@ def test_bench_vllm_tiny_run_writes_the_contract(tmp_path):
         "2",
         "--limit",
         "2",
+        # One wave keeps the run tiny (the CLI's default is 4 whole batches per batch size: 8 prompts here).
+        "--waves",
+        "1",
         "--max-tokens",
         "8",
         "--warmup-steps",
@@ -49,6 +52,7 @@ def test_bench_vllm_tiny_run_writes_the_contract(tmp_path):
     assert 0 < echo["accepted_per_verified_draft"] <= 1 and echo["tokens_per_request_step"] > 1
     assert "oracle_ratio" in echo and (echo["oracle_ratio"] is not None or echo["oracle_reason"])
     assert rows["nospec"]["tokens_per_request_step"] == pytest.approx(1.0)
+    assert document["settings"]["waves"] == 1 and document["settings"]["limit"] == 2
     # Same work for both: every request emitted max_tokens, in the timed part of every round.
     assert all(e["num_generated"] == 2 * 8 for e in document["round_log"])
     assert [e["label"] for e in document["round_log"]] == ["nospec", "echo", "echo", "nospec"]  # rotated

@@ -213,7 +213,8 @@ def test_draft_controller_drafts_to_the_depth_worth_most_and_probes():
     assert plan.depth == 2 and plan.k_cap == 24 and not plan.probe  # depth 2 was worth most
     control.observe(2)
     control.observe_levels([1.0, 1.2, 1.0])  # drafted to 2: depths 0..2 averaged, depth 3 kept
-    assert control.value == [1.0, 1.35, 1.5, 1.8]
+    # Bias-corrected averages with weight a = 0.5: (0.5 x 0.5 x old + 0.5 x new) / (0.5 x 0.5 + 0.5).
+    assert control.value == pytest.approx([1.0, (0.25 * 1.5 + 0.5 * 1.2) / 0.75, (0.25 * 2.0 + 0.5 * 1.0) / 0.75, 1.8])
     assert control.plan(8, 24).depth == 3  # depth 3's (older) value now leads
     for _ in range(2):
         control.observe(0)
@@ -223,6 +224,40 @@ def test_draft_controller_drafts_to_the_depth_worth_most_and_probes():
     control.observe(0)  # a plain step: nothing measured
     probe = control.plan(8, 24)  # step 6: a probe
     assert probe.probe and probe.depth == 3 and probe.k_cap == 24
+
+
+def test_draft_controller_weighs_a_step_by_its_requests_and_needs_enough_of_them():
+    """A step of one request is one accept-or-reject draw: it moves the depth values by 5 % (REQUEST_WEIGHT), a
+    step of 4 requests by ~19 %, of 5 or more by alpha (0.2). The plan drafts to full depth until 8 request-steps are
+    measured, and the average is bias-corrected: one early rejection does not stand for the whole memory."""
+    from echo_vllm.core.auto_budget import MIN_MEASURED_REQUESTS, REQUEST_WEIGHT
+
+    rejected, accepted = [1.0, 0.8, 0.7, 0.6], [1.0, 1.7, 2.3, 2.8]
+    control = DraftController(3, probe_interval=0)
+    control.observe_levels(rejected, batch=1)  # the first verified step rejected its draft
+    assert control.value == pytest.approx(rejected)  # one sample: the average is that sample
+    for _ in range(MIN_MEASURED_REQUESTS - 2):
+        assert control.plan(1, 3).depth == 3  # not yet measured enough: full depth, not plain
+        control.observe_levels(accepted, batch=1)
+    assert control.plan(1, 3).depth == 3
+    control.observe_levels(rejected, batch=1)
+    assert control.measured_requests == MIN_MEASURED_REQUESTS
+    # Two rejections among 8 steps: a plain average, not the last sample: depth 3 leads.
+    assert control.value[3] == pytest.approx((2 * 0.6 + 6 * 2.8) / 8, rel=0.03)
+    assert control.plan(1, 3).depth == 3
+    # Three more rejections in a row at batch 1 (5 % each): still close to the plain average of the 11 steps (with
+    # a = 0.2 per step, as before, the last steps dominate: 0.6 + (v - 0.6) x 0.8^3), depth 3 ahead.
+    for _ in range(3):
+        control.observe_levels(rejected, batch=1)
+    assert control.value[3] == pytest.approx((5 * 0.6 + 6 * 2.8) / 11, rel=0.1)
+    assert control.plan(1, 3).depth == 3
+    # The weight per step: batch 4 moves the values by 1 - 0.98^4, batch 32 by alpha (0.2).
+    for batch, weight in ((4, 1 - (1 - REQUEST_WEIGHT) ** 4), (32, 0.2)):
+        fresh = DraftController(3, probe_interval=0)
+        for _ in range(200):  # long enough that the bias correction no longer matters
+            fresh.observe_levels([1.0, 1.0, 1.0, 1.0], batch=batch)
+        fresh.observe_levels([1.0, 2.0, 2.0, 2.0], batch=batch)
+        assert fresh.value[1] == pytest.approx(1.0 + weight, rel=1e-6)
 
 
 def test_hindsight_level_rates_price_the_selection_cut_at_each_depth():
@@ -384,3 +419,38 @@ def test_depths_deeper_than_drafted_are_imputed_from_the_continuation_rates():
     cut.cost_model = cheap
     cut.observe_verification(torch.tensor([1]), torch.tensor([[1, 0]]), batch=1, drafted_depth=2)
     assert cut.controller.value[2:] == pytest.approx([2 / 1.2 / 1.0, 2 / 1.3, 2 / 1.4])
+
+
+def test_at_batch_one_a_few_rejections_do_not_put_the_plan_to_plain_decoding():
+    """Batch 1, a completion of easy and hard 12-step stretches (continuation 0.9 / 0.4), a latency-bound step
+    (verifying 4 drafts costs 6 % more than 1 token) and 1 ms per drafted depth: drafting pays in both stretches
+    (hard: depth 1-2 best at ~1.18x plain; easy: depth 4 at ~2.4x), so plain decoding is never right. With the
+    old average (a = 0.2 per step, the first sample standing for all) a few rejections put 12 % of the steps to
+    plain decoding, where only probes could lift the plan again (the testbed at batch 1: 18 %)."""
+    import random
+
+    from echo_vllm.core.cost_model import CostModel
+    from echo_vllm.core.time_budget import TimeAwareBudget
+
+    cost = CostModel(
+        (1.0, 2.0, 4.0, 8.0), (0.010, 0.010, 0.0105, 0.011), 0.0, (0.0, 0.0, 0.001, 0.0), 0.0, 4,
+        first_pass_terms=(0.001, 0.0),
+    )  # fmt: skip
+    plain_steps = steps = 0
+    for seed in range(4):
+        rng = random.Random(seed)
+        budget = TimeAwareBudget(4, profile_steps=4, probe_interval=16, surplus_tail=True, profile_path=None)
+        budget.cost_model = cost
+        for t in range(400):
+            p = 0.9 if (t // 12) % 2 == 0 else 0.4
+            depth = budget.plan(1, 1, False, 0).depth
+            budget.observe_selection(depth)
+            steps += 1
+            if depth == 0:
+                plain_steps += 1
+                continue
+            accepted = 0
+            while accepted < depth and rng.random() < p:
+                accepted += 1
+            budget.observe_verification(torch.tensor([accepted]), torch.arange(1, depth + 1).unsqueeze(0), 1, depth)
+    assert plain_steps / steps < 0.02

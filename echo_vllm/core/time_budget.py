@@ -226,7 +226,7 @@ class TimeAwareBudget:
             for d in range(len(emitted_h))
         ]  # fmt: skip
         # Relative to the step's own plain-decoding rate: steps of different batch sizes average on one scale.
-        self.controller.observe_levels([r / max(rates_per_level[0], 1e-12) for r in rates_per_level])
+        self.controller.observe_levels([r / max(rates_per_level[0], 1e-12) for r in rates_per_level], batch)
 
     def _count_continuation(self, tried: list[int], passed: list[int]) -> None:
         """Decayed counts (memory ~ 1 / CONTINUATION_DECAY request-steps per depth) of the continuation events."""

@@ -975,6 +975,10 @@ class EchoProposer(EagleProposer):
             "rest_s": self._last_times[0],  # this step's time outside the proposer
             "draft_s": self._last_times[1],  # the previous step's proposer time (this one is still running)
         }
+        if self.budget is not None:  # the depth plan's view: each depth's value, and what the last verified step added
+            controller = self.budget.controller
+            record["depth_values"] = [None if v is None else round(v, 4) for v in controller.value]
+            record["level_rates"] = [round(v, 4) for v in controller.last_levels]
         if self._step_log_file is None:  # kept open, line-buffered: a write per step, no open/close
             self._step_log_file = open(self._step_log, "a", buffering=1)  # lives as long as the proposer
         self._step_log_file.write(json.dumps(record) + "\n")

@@ -49,7 +49,7 @@ demo: testbed
 	$(PY) -m echo_vllm.cli demo
 
 test: install
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra --durations=15 tests
 
 test-fast: install
 	$(PY) -m pytest -q -ra -m "not engine" tests

@@ -63,6 +63,7 @@ setup(
             "pytest",
             "hypothesis",
             "ruff",
+            "mypy",  # make lint
             "openai",
             "pyyaml",
             # deploy/ validation offline: kubectl (kustomize v5) binary, k8s schemas, shellcheck binary.

@@ -225,14 +225,14 @@ class DraftController:
     requests the step verified, a = min(alpha, 1 - (1 - request_weight)^B): one step of one request is one
     accept-or-reject draw (at batch 1 a depth-4 level ranged 0.6-3.2x plain from step to step on the testbed), so
     with a = 0.2 at every batch a few rejections in a row put the plan to plain decoding, where only probes could
-    lift it again (batch 1: plain on 18 % of steps, depth 1-2 on 40 %, where depth 4 pays 1.7x). With the weight
+    lift it again (batch 1: plain on 15 % of steps, depth 1-2 on 34 %, where depth 4 pays 1.5x). With the weight
     per request the average spans ~40 steps at batch 1 (a = 0.05); from 5 requests up it is `alpha`, as before. (A
     synthetic check with easy and hard 12-step stretches: batch 1 gains 4 %, batch 4 is unchanged within 1 %; a
     smaller weight per request also slowed batch 4's adaptation to the stretches.)
     The average is bias-corrected (sums of weights kept), so the first steps count equally instead of the very
     first one standing for the whole memory, and the plan drafts to full depth until MIN_MEASURED_REQUESTS
-    request-steps are in it. Realised acceptance, not
-    the model's, so that a pessimistic acceptance table cannot keep drafting shallow. Depths deeper than the plan
+    request-steps are in it. Realised acceptance, not the model's, so that a pessimistic acceptance table cannot
+    keep drafting shallow. Depths deeper than the plan
     are re-measured by probe steps (every `probe_interval` steps: full depth, every draft verified — a probe that
     verified only what the budget wanted would see deeper depths capped by its own cut, and plain decoding,
     once chosen, would never be left) and, until measured, by drafting to full depth. k_cap: four times the largest budget of the last

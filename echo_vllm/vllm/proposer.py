@@ -955,7 +955,7 @@ class EchoProposer(EagleProposer):
         # The selection hash covers every request's chosen draft tokens: equal hashes on every TP rank in every
         # step mean the ranks made the same budget decision (vLLM uses only the output rank's lists).
         selection_hash = hashlib.sha1(json.dumps(ragged).encode()).hexdigest()[:16]
-        record = {
+        record: dict[str, Any] = {
             "step": self.stats.steps,
             "rank": self.tp_rank,
             "k_max": self.k_max if self.k_max is not None else "auto",

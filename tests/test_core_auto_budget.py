@@ -251,7 +251,7 @@ def test_draft_controller_weighs_a_step_by_its_requests_and_needs_enough_of_them
         control.observe_levels(rejected, batch=1)
     assert control.value[3] == pytest.approx((5 * 0.6 + 6 * 2.8) / 11, rel=0.1)
     assert control.plan(1, 3).depth == 3
-    # The weight per step: batch 4 moves the values by 1 - 0.98^4, batch 32 by alpha (0.2).
+    # The weight per step: batch 4 moves the values by 1 - 0.95^4, batch 32 by alpha (0.2).
     for batch, weight in ((4, 1 - (1 - REQUEST_WEIGHT) ** 4), (32, 0.2)):
         fresh = DraftController(3, probe_interval=0)
         for _ in range(200):  # long enough that the bias correction no longer matters

@@ -226,9 +226,8 @@ class DraftController:
     accept-or-reject draw (at batch 1 a depth-4 level ranged 0.6-3.2x plain from step to step on the testbed), so
     with a = 0.2 at every batch a few rejections in a row put the plan to plain decoding, where only probes could
     lift it again (batch 1: plain on 15 % of steps, depth 1-2 on 34 %, where depth 4 pays 1.5x). With the weight
-    per request the average spans ~40 steps at batch 1 (a = 0.05); from 5 requests up it is `alpha`, as before. (A
-    synthetic check with easy and hard 12-step stretches: batch 1 gains 4 %, batch 4 is unchanged within 1 %; a
-    smaller weight per request also slowed batch 4's adaptation to the stretches.)
+    per request the average spans ~40 steps at batch 1 (a = 0.05); from 5 requests up it is `alpha`, as before (a
+    smaller weight per request would also slow the adaptation of batches 2-4 to easy and hard stretches).
     The average is bias-corrected (sums of weights kept), so the first steps count equally instead of the very
     first one standing for the whole memory, and the plan drafts to full depth until MIN_MEASURED_REQUESTS
     request-steps are in it. Realised acceptance, not the model's, so that a pessimistic acceptance table cannot

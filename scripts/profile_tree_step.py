@@ -154,7 +154,11 @@ def child() -> int:
     original_warm_up = offline._warm_up
     missing: list[str] = []
 
+    cprofile_top = int(os.environ.get("ECHO_PROFILE_CPROFILE", "0"))
+    profiler = None
+
     def warm_up_then_time(llm, job_, params):
+        nonlocal profiler
         if all_steps:
             _classify_steps()
             missing.extend(install_timers())
@@ -162,11 +166,25 @@ def child() -> int:
         if not all_steps:
             _classify_steps()
             missing.extend(install_timers())
+        if cprofile_top:  # function-level view of the timed generate (the engine core runs in this process)
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
         return result
 
     offline._warm_up = warm_up_then_time
     result = offline.run_job(job)
     steps = _ACC["execute_model"][1] or 1
+    if profiler is not None:
+        import io
+        import pstats
+
+        profiler.disable()
+        out = io.StringIO()
+        stats = pstats.Stats(profiler, stream=out).sort_stats("tottime")
+        stats.print_stats(r"echo_vllm|spec_decode|torch/_tensor|builtins", cprofile_top)
+        sys.stderr.write(f"CPROFILE ({steps} steps)\n" + out.getvalue())
     kinds = {}
     for name, pick in (("chain", (False, False)), ("drafts_tree", (False, True)), ("verifies_tree", (True, None))):
         sel = [t for v, d, t in _STEPS if v == pick[0] and (pick[1] is None or d == pick[1])]
@@ -208,11 +226,15 @@ def run_one(method: str, batch_size: int, args: argparse.Namespace, work: Path) 
     env.update(env_extra)
     env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
     env["ECHO_PROFILE_ALL_STEPS"] = "1" if args.all_steps else "0"
+    env["ECHO_PROFILE_CPROFILE"] = str(args.cprofile)
     proc = subprocess.run(
         [sys.executable, __file__, "--child"], input=json.dumps(job), capture_output=True, text=True, env=env,
         timeout=1200,
     )  # fmt: skip
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROFILE:")]
+    if args.cprofile:
+        text = proc.stderr
+        print(text[text.find("CPROFILE") :] if "CPROFILE" in text else "(no cProfile output)")
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"profile job failed (rc={proc.returncode}):\n" + "\n".join(proc.stderr.splitlines()[-30:]))
     return json.loads(lines[-1][len("PROFILE:") :])
@@ -231,6 +253,9 @@ def main() -> int:
     parser.add_argument("--k-max", default="auto", help="k_max of the echo method (echo-auto/echo-tree: auto)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--work", type=Path, default=None, help="keep each job's files (step log, profile) here")
+    parser.add_argument(
+        "--cprofile", type=int, default=0, help="also print the N functions with the most own time (cProfile)"
+    )
     parser.add_argument(
         "--all-steps", action="store_true", help="time the warm-up too (its profile phase drafts trees every step)"
     )

@@ -53,6 +53,35 @@ def test_flat_then_linear_keeps_the_knee_and_never_falls():
     assert curve == sorted(curve)  # time never falls as the step grows
 
 
+def _one_batch_profile(batch, rest_fn, n=48, seed=3, noise=0.05):
+    """A start-up profile at one batch size: plain steps and steps verifying up to 4 drafts per request."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        tokens = batch + rng.choice([0, 1, 2, 3, 4]) * batch
+        depth = rng.randint(0, 4)
+        rest = rest_fn(tokens, batch) * rng.uniform(1 - noise, 1 + noise)
+        out.append(StepSample(tokens, batch, depth, rest, _draft(batch, depth), verified=tokens - batch))
+    return out
+
+
+def test_a_linear_curve_profiled_at_one_batch_extrapolates_linearly_to_larger_steps():
+    # A CPU-like step cost, linear in the step's tokens, profiled at batch 32 only (N = 32..160): a larger batch
+    # later verifies steps of 256-640 tokens, beyond every sample. The curve must continue the measured line
+    # there. (The previous smoothness prior, second differences in knot index, is zero for a curve linear in
+    # log N: it extrapolated with equal increments per doubling and priced a 640-token step ~20 % too low, so
+    # verifying at high load looked cheaper than it is.)
+    def truth(n, b):
+        return 0.01 + 0.0004 * n
+
+    model = fit_cost_model(_one_batch_profile(32, truth))
+    assert model is not None
+    for tokens in (64, 160):  # inside the profile
+        assert model.rest_at(tokens, 32) == pytest.approx(truth(tokens, 32), rel=0.05)
+    for tokens in (256, 400, 640):  # beyond it
+        assert model.rest_at(tokens, 128) == pytest.approx(truth(tokens, 128), rel=0.08)
+
+
 def test_tree_steps_extra_cost_is_recovered_and_travels():
     base = _samples(lambda n, b: 0.002 + 0.0003 * n, _draft, noise=0.02)
     rng = random.Random(3)

@@ -70,6 +70,9 @@ def test_auto_greedy_identical_through_every_phase(prompts, tmp_path, max_num_se
         assert 0 <= s["drafted_depth"] <= s["draft_depth"] <= DEPTH  # the early exit may stop sooner
         assert all(c <= s["drafted_depth"] * top_k for c in s["counts"]) and len(s["accepted"]) <= s["batch"]
         assert not s["tree_step"] or top_k > 1
+        assert s["context_tokens"] >= 0
+    # Decoding requests have their prompts cached: the step log carries each step's context (cost diagnostics).
+    assert max(s["context_tokens"] for s in steps) > 0
     # Trees are drafted in the profile (to price them) and whenever the budget buys siblings; never in warm-up.
     assert not any(s["tree_step"] for s in steps if s["phase"] == "warmup")
     assert any(s["tree_step"] for s in steps if s["phase"] == "profile") == (top_k > 1)

@@ -228,6 +228,7 @@ class EchoProposer(EagleProposer):
         self._early_cap: int | None = None  # candidate cap of the early-exit test in this step's draft loop
         self._draft_target = 0
         self._step_tokens = 0
+        self._step_context = 0
         self._echo_ids: list[torch.Tensor] = []
         self._last_accepted: list[int] = []  # step log only
         self._last_times = (0.0, 0.0)  # (rest_s, draft_s) of the last timed step, step log only
@@ -341,6 +342,12 @@ class EchoProposer(EagleProposer):
         gates = self._gates(torch.exp(torch.where(valid, scores, torch.full_like(scores, float("-inf")))))
         return bool(drafting_can_stop(scores, valid, gates, self._early_cap, self.echo_settings.surplus_tail).item())
 
+    def _context_tokens(self, batch: int) -> int:
+        """Tokens already in the KV cache of this step's requests (host numpy: no sync); 0 without a runner."""
+        if self._runner is None or batch <= 0:
+            return 0
+        return int(self._runner.input_batch.num_computed_tokens_cpu[:batch].sum())
+
     def _kept_rows(self, batch: int) -> torch.Tensor:
         """[B] bool: rows whose drafts vLLM keeps (partial prefills' drafts are dropped)."""
         discard = self._runner.discard_request_mask.gpu if self._runner is not None else None
@@ -373,6 +380,7 @@ class EchoProposer(EagleProposer):
             )
             target = kwargs.get("target_token_ids")  # tokens of this step's target forward (the runner's keyword)
             self._step_tokens = int(target.shape[0]) if isinstance(target, torch.Tensor) else batch
+            self._step_context = self._context_tokens(batch)
             if self._last_end is not None:
                 self._last_times = (start - self._last_end, self._last_times[1])
             self._before_drafting(batch)
@@ -969,6 +977,7 @@ class EchoProposer(EagleProposer):
             "draft_depth": self._plan.depth,  # planned
             "drafted_depth": len(self._echo_ids),  # drafted (the early exit may stop sooner)
             "num_tokens": self._step_tokens,  # tokens in this step's target forward
+            "context_tokens": self._step_context,  # tokens already cached for this step's requests
             "accepted": self._last_accepted,  # accepted drafts per verified request, of this step's forward
             "tree_step": self._tree_step,  # this step drafted trees
             "moved": self._last_leaf_accepts,  # accepted nodes off the spine in this step's forward (KV moved)

@@ -226,6 +226,33 @@ def test_draft_controller_drafts_to_the_depth_worth_most_and_probes():
     assert probe.probe and probe.depth == 3 and probe.k_cap == 24
 
 
+def test_load_slots_keep_the_usual_batch_sizes_inside():
+    from echo_vllm.core.auto_budget import load_bucket
+
+    slots = {b: load_bucket(b) for b in (1, 2, 3, 5, 6, 8, 11, 12, 16, 23, 24, 31, 32, 47, 48, 64, 95, 96, 128, 256)}
+    assert slots == {
+        1: 0, 2: 1, 3: 2, 5: 2, 6: 3, 8: 3, 11: 3, 12: 4, 16: 4, 23: 4, 24: 5, 31: 5, 32: 5, 47: 5, 48: 6, 64: 6,
+        95: 6, 96: 7, 128: 7, 256: 8,
+    }  # fmt: skip
+
+
+def test_the_depth_plan_remembers_each_load_separately():
+    """A busy stretch where plain decoding is best must not decide a quiet stretch where depth pays (and back)."""
+    control = DraftController(4, probe_interval=0)
+    busy, quiet = [1.0, 0.9, 0.85, 0.8, 0.75], [1.0, 1.2, 1.35, 1.45, 1.5]
+    for _ in range(20):
+        assert control.plan(32, 128).depth in (0, 4)  # 4 until measured, then plain
+        control.observe_levels(busy, batch=32)
+    assert control.plan(32, 128).depth == 0 and control.plan(31, 124).depth == 0  # one slot for 24-47
+    # The first steps at batch 4: no memory of that load yet -> full depth (the shared average said plain).
+    assert control.plan(4, 16).depth == 4 and control.value == [None] * 5
+    for _ in range(3):
+        control.observe_levels(quiet, batch=4)
+    assert control.plan(4, 16).depth == 4 and control.value == pytest.approx(quiet)
+    assert control.plan(32, 128).depth == 0  # the busy slot kept its verdict
+    assert control.value == pytest.approx(busy)
+
+
 def test_draft_controller_weighs_a_step_by_its_requests_and_needs_enough_of_them():
     """A step of one request is one accept-or-reject draw: it moves the depth values by 5 % (REQUEST_WEIGHT), a
     step of 4 requests by ~19 %, of 5 or more by alpha (0.2). The plan drafts to full depth until 8 request-steps are

@@ -81,8 +81,10 @@ def test_auto_greedy_identical_through_every_phase(prompts, tmp_path, max_num_se
     # The depth plan's view: each depth's worth relative to plain decoding (depth 0 is plain: exactly 1).
     auto_steps = [s for s in steps if s["phase"] == "auto"]
     assert all(len(s["depth_values"]) == DEPTH + 1 for s in auto_steps)
-    measured = [s for s in auto_steps if s["level_rates"]]
-    assert measured and all(s["depth_values"][0] == 1.0 and s["level_rates"][0] == 1.0 for s in measured)
+    assert all(s["level_rates"][0] == 1.0 for s in auto_steps if s["level_rates"])
+    # depth_values are the plan's load slot's (None where that slot has no measurement yet)
+    measured = [s for s in auto_steps if s["depth_values"][0] is not None]
+    assert measured and all(s["depth_values"][0] == 1.0 for s in measured)
     assert any("ECHO budget" in line or "budget=auto" in line for line in echo["echo_log"])
 
 

@@ -20,6 +20,7 @@ No vLLM import here; no host sync except where a docstring says so.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import NamedTuple
 
@@ -215,6 +216,33 @@ class DraftPlan(NamedTuple):
     probe: bool  # a probe step: full depth, and every draft verified (each depth measured in hindsight)
 
 
+def load_bucket(batch: int) -> int:
+    """The depth plan's memory slot for a batch size: 1, 2, 3-5, 6-11, 12-23, 24-47, 48-95, ... (edges at 1.5 x
+    powers of two, so that the usual max_num_seqs - 1, 4, 8, 16, 32, 64 - sit inside a slot: a batch of 32 that
+    dips to 31 as requests finish keeps its memory)."""
+    if batch <= 1:
+        return 0
+    return int(math.floor(math.log2(batch / 1.5) + 1e-9)) + 1
+
+
+class LevelMemory:
+    """The bias-corrected exponential average of each depth's worth, for one load slot (`load_bucket`)."""
+
+    def __init__(self, max_depth: int) -> None:
+        self.sums = [0.0] * (max_depth + 1)  # decayed sums of the rates and of their weights, per depth
+        self.weights = [0.0] * (max_depth + 1)
+        self.value: list[float | None] = [None] * (max_depth + 1)  # per depth: average worth, None unmeasured
+        self.measured_requests = 0  # request-steps observed
+
+    def add(self, level_rates: list[float], weight: float, requests: int) -> None:
+        self.measured_requests += requests
+        for d, rate in enumerate(level_rates):
+            if rate == rate and rate != float("-inf"):  # skip NaN and unmeasured depths
+                self.sums[d] = (1.0 - weight) * self.sums[d] + weight * rate
+                self.weights[d] = (1.0 - weight) * self.weights[d] + weight
+                self.value[d] = self.sums[d] / self.weights[d]
+
+
 class DraftController:
     """Each step's draft depth and candidate cap, from what recent steps were worth at each depth.
 
@@ -238,6 +266,13 @@ class DraftController:
     `window` steps, at least twice the batch size (a trust region that can quadruple per step; it is what lets the
     early exit of drafting fire at large batches), the ceiling on probes. Decisions depend on step counts and on
     data every TP rank shares.
+
+    The averages are kept per load slot (`load_bucket` of the step's batch size): what a depth is worth relative
+    to plain decoding depends on the load (on the testbed depth 4 pays ~1.5x at batch 1 and breaks even at batch
+    32), so one average over every batch size carried the verdict of a busy period into a quiet one (and back):
+    after a stretch at batch 32 had settled on plain decoding, the batch-4 steps that followed decoded plain
+    until enough probes had moved the shared average. A slot with too few measured request-steps drafts to full
+    depth, as the whole plan did before its first measurements.
     """
 
     def __init__(
@@ -253,20 +288,38 @@ class DraftController:
         self.probe_interval = probe_interval
         self.alpha = alpha
         self.request_weight = request_weight
-        self._sums = [0.0] * (max_depth + 1)  # decayed sums of the rates and of their weights, per depth
-        self._weights = [0.0] * (max_depth + 1)
-        self.measured_requests = 0  # request-steps observed (`observe_levels` with a batch)
+        self._memory: dict[int, LevelMemory] = {}  # per load slot
+        self._slot = 0  # the load slot of the last planned or observed step: the one `value` shows
         self._budget: deque[int] = deque(maxlen=window)
-        self.value: list[float | None] = [None] * (max_depth + 1)  # per depth: average tokens/s, None unmeasured
         self.last_levels: list[float] = []  # the last verified step's level rates (the step log shows them)
         self.steps = 0
 
+    def _memory_of(self, slot: int) -> LevelMemory:
+        memory = self._memory.get(slot)
+        if memory is None:
+            memory = self._memory[slot] = LevelMemory(self.max_depth)
+        return memory
+
+    @property
+    def value(self) -> list[float | None]:
+        """Per depth 0..D: the average worth relative to plain decoding in the current load slot (None unmeasured)."""
+        memory = self._memory.get(self._slot)
+        return list(memory.value) if memory is not None else [None] * (self.max_depth + 1)
+
+    @property
+    def measured_requests(self) -> int:
+        """Verified request-steps behind the current load slot's values."""
+        memory = self._memory.get(self._slot)
+        return memory.measured_requests if memory is not None else 0
+
     def plan(self, batch: int, ceiling: int) -> DraftPlan:
         """ceiling: the most candidates this step can have (B x nodes per request)."""
+        self._slot = load_bucket(batch)
         probe = self.probe_interval > 0 and self.steps % self.probe_interval == self.probe_interval - 1
-        if probe or any(v is None for v in self.value) or self.measured_requests < MIN_MEASURED_REQUESTS:
+        memory = self._memory_of(self._slot)
+        if probe or any(v is None for v in memory.value) or memory.measured_requests < MIN_MEASURED_REQUESTS:
             return DraftPlan(self.max_depth, ceiling, probe)
-        values = [v if v is not None else float("-inf") for v in self.value]
+        values = [v if v is not None else float("-inf") for v in memory.value]
         depth = max(range(len(values)), key=lambda d: (values[d], -d))  # the best; the shallowest among equals
         return DraftPlan(depth, min(ceiling, max(4 * max(self._budget, default=0), 2 * batch)), False)
 
@@ -276,13 +329,13 @@ class DraftController:
         self.steps += 1
 
     def observe_levels(self, level_rates: list[float], batch: int | None = None) -> None:
-        """What a verified step of `batch` requests was worth cut at depth 0..len - 1 (tokens per second); batch
-        None: the step weighs `alpha` and counts as measured enough."""
+        """What a verified step of `batch` requests was worth cut at depth 0..len - 1 (relative to plain decoding),
+        into that batch's load slot; batch None: the current slot, the step weighs `alpha` and counts as measured
+        enough."""
         self.last_levels = list(level_rates)
-        self.measured_requests += MIN_MEASURED_REQUESTS if batch is None else batch
-        a = self.alpha if batch is None else min(self.alpha, 1.0 - (1.0 - self.request_weight) ** max(1, batch))
-        for d, rate in enumerate(level_rates):
-            if rate == rate and rate != float("-inf"):  # skip NaN and unmeasured depths
-                self._sums[d] = (1.0 - a) * self._sums[d] + a * rate
-                self._weights[d] = (1.0 - a) * self._weights[d] + a
-                self.value[d] = self._sums[d] / self._weights[d]
+        if batch is None:
+            self._memory_of(self._slot).add(self.last_levels, self.alpha, MIN_MEASURED_REQUESTS)
+            return
+        a = min(self.alpha, 1.0 - (1.0 - self.request_weight) ** max(1, batch))
+        self._slot = load_bucket(batch)
+        self._memory_of(self._slot).add(self.last_levels, a, batch)

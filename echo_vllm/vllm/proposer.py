@@ -978,6 +978,7 @@ class EchoProposer(EagleProposer):
             "drafted_depth": len(self._echo_ids),  # drafted (the early exit may stop sooner)
             "num_tokens": self._step_tokens,  # tokens in this step's target forward
             "context_tokens": self._step_context,  # tokens already cached for this step's requests
+            "verified_in_forward": self._verified_in_forward,  # drafts verified in this step's forward
             "accepted": self._last_accepted,  # accepted drafts per verified request, of this step's forward
             "tree_step": self._tree_step,  # this step drafted trees
             "moved": self._last_leaf_accepts,  # accepted nodes off the spine in this step's forward (KV moved)

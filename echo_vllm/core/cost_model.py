@@ -254,10 +254,11 @@ def _slope_changes(knots: torch.Tensor) -> torch.Tensor:
     The smoothness prior of the rest curve. Second differences of the knot values in knot *index* (the penalty
     used before) are zero for a curve linear in log N: over power-of-two knots they pulled a sparsely sampled
     curve towards equal increments per doubling, i.e. concave in N. On the testbed's CPU, where a step's cost is
-    about linear in its tokens from batch 8 up, the first fit after the start-up profile put the 128 -> 256-token
-    increment at 6.8 ms against 17.4 ms for 64 -> 128 and priced a depth-4 step at batch 32 (~160 tokens) ~10 %
-    below what it measured. A change of slope costs the same here whatever the knot spacing: a curve linear in N
-    is free, and a GPU's flat-then-linear curve pays for its one knee."""
+    about linear in its tokens from batch 8 up, the first fit after a batch-32 start-up profile (N 32-160) put the
+    128 -> 256-token increment at 6.8 ms against 17.4 ms for 64 -> 128, and beyond the profiled range the curve
+    fell further behind the line (a 640-token step at 69 % of a linear truth in the unit test): a load that grows
+    after the profile verifies steps there. A change of slope costs the same here whatever the knot spacing: a
+    curve linear in N is free, and a GPU's flat-then-linear curve pays for its one knee."""
     k = knots.numel()
     rows = torch.zeros((max(0, k - 2), k), dtype=torch.float64)
     for i in range(k - 2):

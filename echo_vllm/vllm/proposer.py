@@ -380,7 +380,7 @@ class EchoProposer(EagleProposer):
             )
             target = kwargs.get("target_token_ids")  # tokens of this step's target forward (the runner's keyword)
             self._step_tokens = int(target.shape[0]) if isinstance(target, torch.Tensor) else batch
-            self._step_context = self._context_tokens(batch)
+            self._step_context = self._context_tokens(batch) if self._step_log else 0  # the step log's only
             if self._last_end is not None:
                 self._last_times = (start - self._last_end, self._last_times[1])
             self._before_drafting(batch)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -23,7 +24,7 @@ from echo_vllm.bench.vllm_plan import (
 )
 from echo_vllm.bench.vllm_rows import add_eagle3_best, add_ratios, measure, request_steps
 from echo_vllm.bench.vllm_run import BenchPlan, build_job, run_bench
-from echo_vllm.bench.vllm_table import footnotes, format_results
+from echo_vllm.bench.vllm_table import footnotes, format_results, ratio_summary
 from echo_vllm.cli import build_parser
 
 ECHO = {"k_max": 8, "top_k": 1, "warmup_steps": 4, "surplus_tail": True}
@@ -110,6 +111,7 @@ def test_job_has_prefix_caching_off_full_batch_warmup_and_echo_stats(tmp_path):
     assert job["max_num_seqs"] == 4 and len(job["prompts"]) == 4
     assert job["warmup_prompts"] == job["prompts"][:4] and job["warmup_max_tokens"] == plan.warmup_max_tokens
     assert job["ignore_eos"] is True and job["echo_stats"] is False and env == {}
+    assert job["steady_window"] is True  # every method's timed generate also times its full-engine window
     job_auto, env_auto = build_job(plan, auto, 4, tmp_path / "w", profile_key=True)
     assert job_auto["speculative_config"]["echo"]["k_max"] == "auto"
     assert job_auto["speculative_config"]["echo"]["budget_profile_file"] == str(tmp_path / "w" / "budget_profile.json")
@@ -204,6 +206,98 @@ def test_eagle3_best_and_ratios():
     assert echo1["ratio_vs_best_baseline"] == pytest.approx(171 / 180) and echo1["best_baseline"] == "eagle3@2"
     # At batch 8 no-spec beats every EAGLE-3 depth: the best baseline is no-spec.
     assert echo8["ratio_vs_best_baseline"] == pytest.approx(420 / 400) and echo8["best_baseline"] == "nospec"
+
+
+def test_steady_window_figures_ratios_and_cells():
+    def row(method, batch, tps, steady, depth=None):
+        full = {"tokens_per_s_min": tps, "tokens_per_s_max": tps, "identical_to_baseline": True}
+        return {**_row(method, batch, tps, depth), **full, "steady_tokens_per_s": steady}
+
+    rows = [
+        row("nospec", 16, 450.0, 460.0),
+        row("eagle3", 16, 496.0, 600.0, 1),
+        row("eagle3", 16, 480.0, 620.0, 2),  # slower in total, faster while the engine is full
+        row("echo", 16, 459.0, 651.0),
+        row("nospec", 1, 100.0, None),  # one batch of prompts: no window
+        row("echo", 1, 120.0, None),
+    ]
+    out = add_ratios(add_eagle3_best(rows))
+    echo16 = next(r for r in out if r["method"] == "echo" and r["batch_size"] == 16)
+    assert echo16["ratio_vs_best_baseline"] == pytest.approx(459 / 496)  # the total: eagle3-best is @1
+    assert echo16["steady_ratio_vs_nospec"] == pytest.approx(651 / 460)
+    assert echo16["steady_ratio_vs_best_baseline"] == pytest.approx(651 / 620)  # the best steady depth, @2
+    echo1 = next(r for r in out if r["method"] == "echo" and r["batch_size"] == 1)
+    assert echo1["steady_ratio_vs_nospec"] is None and echo1["steady_ratio_vs_best_baseline"] is None
+    table = format_results(out)
+    assert "steady tok/s (vs best)" in table and "651.0 (1.05)" in table
+    summary = ratio_summary([r for r in out if r["method"] == "echo"])
+    assert summary == [
+        "echo: batch 16: 1.02x no-spec, 0.93x best (eagle3@1) (steady: 1.42x no-spec, 1.05x best); "
+        "batch 1: 1.20x no-spec, 1.20x best (nospec)"
+    ]
+    # measure(): a job's steady window -> tokens per second; none -> null.
+    variant = Variant("nospec")
+    assert measure(variant, {**_out(10.0), "steady": {"seconds": 4.0, "tokens": 2000.0, "steps": 40.0}})[
+        "steady_tokens_per_s"
+    ] == pytest.approx(500.0)
+    assert measure(variant, {**_out(10.0), "steady": None})["steady_tokens_per_s"] is None
+
+
+class FakeLLM:
+    """`LLM` as generate_with_steady_window drives it: requests of given lengths, at most `batch` running; every
+    step each running request emits one token and takes one second of a fake clock."""
+
+    def __init__(self, lengths: list[int], batch: int):
+        self.lengths, self.batch, self.clock = lengths, batch, 0.0
+        self.waiting: list[str] = []
+        self.running: dict[str, int] = {}
+        self.generated = 0
+        self.llm_engine = self
+
+    def enqueue(self, prompts, params, use_tqdm=True):
+        self.waiting = [str(i) for i in range(len(prompts))]
+
+    def has_unfinished_requests(self):
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self):
+        return len(self.waiting) + len(self.running)
+
+    def step(self):
+        while self.waiting and len(self.running) < self.batch:
+            self.running[self.waiting.pop(0)] = 0
+        self.clock += 1.0
+        finished = []
+        for rid in list(self.running):
+            self.running[rid] += 1
+            self.generated += 1
+            if self.running[rid] == self.lengths[int(rid)]:
+                del self.running[rid]
+                finished.append(SimpleNamespace(request_id=rid, finished=True))
+        return finished
+
+    def get_metrics(self):
+        return [SimpleNamespace(name="vllm:generation_tokens", value=float(self.generated))]
+
+
+def test_steady_window_is_the_part_where_requests_wait_for_a_slot():
+    from echo_vllm.vllm.offline import generate_with_steady_window
+
+    # Lockstep, 3 waves of 2 requests x 3 tokens: the window opens after step 1 (4 wait) and closes after step 6
+    # (the last wave running, none waiting): 5 steps, 10 tokens, at 2 tokens per second (the full batch).
+    llm = FakeLLM([3] * 6, batch=2)
+    outputs, steady = generate_with_steady_window(llm, ["p"] * 6, None, 2, clock=lambda: llm.clock)
+    assert [o.request_id for o in outputs] == [str(i) for i in range(6)]  # request order, as llm.generate
+    assert steady == {"seconds": 5.0, "tokens": 10.0, "steps": 5.0}
+    # One long request in the last wave (as speculation finishes requests unevenly): 16 tokens in 10 steps in
+    # total, the last 4 at batch 1 (the drain); the window ends when nothing waits (after step 4): 6 tokens in 3 s.
+    llm = FakeLLM([2, 2, 2, 2, 2, 6], batch=2)
+    outputs, steady = generate_with_steady_window(llm, ["p"] * 6, None, 2, clock=lambda: llm.clock)
+    assert len(outputs) == 6 and llm.clock == 10.0 and llm.generated == 16
+    assert steady == {"seconds": 3.0, "tokens": 6.0, "steps": 3.0}  # 2 tokens/s full, against 1.6 over the run
+    # One batch of prompts: no request ever waits, no window.
+    llm = FakeLLM([3, 3], batch=2)
+    assert generate_with_steady_window(llm, ["p"] * 2, None, 2, clock=lambda: llm.clock)[1] is None
 
 
 # --------------------------------------------------------------------------------------------------------------

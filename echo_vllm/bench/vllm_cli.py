@@ -73,6 +73,8 @@ SUMMARY_KEYS = (
     "tokens_per_s_max",
     "ratio_vs_nospec",
     "ratio_vs_best_baseline",
+    "steady_tokens_per_s",
+    "steady_ratio_vs_best_baseline",
     "identical_to_baseline",
     "oracle_ratio",
 )

@@ -20,6 +20,12 @@ synthetic job outputs. Definitions (the columns of docs/benchmarks.md):
                                ("draft", "select", "rest") where echo_stats has them
   ratio_vs_nospec              median tokens/s over no-spec's median at the same batch size
   ratio_vs_best_baseline       ... over max(no-spec, eagle3-best), the tuned baseline
+  steady_tokens_per_s          tokens / seconds of the steady window of the timed generate (the steps while
+                               requests waited for a slot: the engine full, as a server under sustained load;
+                               `offline.generate_with_steady_window`); median over rounds, min and max; null when
+                               no request waited (one batch of prompts)
+  steady_ratio_vs_nospec       steady medians: over no-spec's
+  steady_ratio_vs_best_baseline  ... over the best steady median of no-spec and every EAGLE-3 depth
 """
 
 from __future__ import annotations
@@ -90,8 +96,10 @@ def measure(variant: Variant, out: Mapping[str, Any], oracle: Mapping[str, Any] 
     else:
         depth = _clean((stats or {}).get("mean_draft_depth"))
     warmup = out.get("warmup") or {}
+    steady = out.get("steady") or {}
     figures = {
         "tokens_per_s": emitted / out["generate_seconds"] if out["generate_seconds"] > 0 else None,
+        "steady_tokens_per_s": steady["tokens"] / steady["seconds"] if steady.get("seconds") else None,
         "generate_seconds": out["generate_seconds"],
         "num_generated": emitted,
         "tokens_per_request_step": emitted / request_steps(out) if emitted else None,
@@ -142,6 +150,7 @@ def aggregate(
         "tokens_per_s_min": tps.min if tps else None,
         "tokens_per_s_max": tps.max if tps else None,
         "tokens_per_s_rounds": [r.get("tokens_per_s") for r in rounds],
+        **_steady(rounds),
         "rounds": len(rounds),
         # Greedy tokens identical to no-spec's in every round; a failed round proves nothing, so it is False.
         "identical_to_baseline": bool(identical) and all(identical) and not errors,
@@ -167,6 +176,15 @@ def aggregate(
     return row
 
 
+def _steady(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    tps = spread(r.get("steady_tokens_per_s") for r in rounds)
+    return {
+        "steady_tokens_per_s": tps.median if tps else None,
+        "steady_tokens_per_s_min": tps.min if tps else None,
+        "steady_tokens_per_s_max": tps.max if tps else None,
+    }
+
+
 def add_eagle3_best(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per batch size, a synthetic `eagle3-best` row: the EAGLE-3 depth with the best median tokens/s."""
     out = list(rows)
@@ -187,16 +205,26 @@ def add_eagle3_best(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """ratio_vs_nospec and ratio_vs_best_baseline (best = max(no-spec, eagle3-best)), ratios of medians."""
+    """ratio_vs_nospec and ratio_vs_best_baseline (best = max(no-spec, eagle3-best)), ratios of medians; the same
+    for the steady window (its best baseline is the best steady median of no-spec and every EAGLE-3 depth)."""
     for batch in dict.fromkeys(r["batch_size"] for r in rows):
         at = [r for r in rows if r["batch_size"] == batch]
         nospec = next((r["tokens_per_s"] for r in at if r["method"] == "nospec"), None)
         best_eagle = next((r["tokens_per_s"] for r in at if r["method"] == "eagle3-best"), None)
         baselines = [v for v in (nospec, best_eagle) if v]
         best = max(baselines) if baselines else None
+        steady_nospec = next((r.get("steady_tokens_per_s") for r in at if r["method"] == "nospec"), None)
+        steady_baselines = [
+            r.get("steady_tokens_per_s")
+            for r in at
+            if r["method"] in ("nospec", "eagle3") and r.get("steady_tokens_per_s")
+        ]
+        steady_best = max(steady_baselines) if steady_baselines else None
         for row in at:
             row["ratio_vs_nospec"] = _ratio(row["tokens_per_s"], nospec)
             row["ratio_vs_best_baseline"] = _ratio(row["tokens_per_s"], best)
+            row["steady_ratio_vs_nospec"] = _ratio(row.get("steady_tokens_per_s"), steady_nospec)
+            row["steady_ratio_vs_best_baseline"] = _ratio(row.get("steady_tokens_per_s"), steady_best)
             row["best_baseline"] = (
                 None if best is None else ("nospec" if best == nospec else f"eagle3@{_best_depth(at)}")
             )

@@ -100,6 +100,7 @@ def build_job(
         "warmup_prompts": prompts[:batch_size],
         "warmup_max_tokens": plan.warmup_max_tokens,
         "echo_stats": variant.method in ECHO_METHODS,
+        "steady_window": True,  # the full-engine part of the timed generate, timed on its own (vllm_rows)
     }
     return job, env
 

@@ -13,6 +13,7 @@ COLUMNS = (
     ("tok/s median [min-max]", "tps"),
     ("vs nospec", "vs_nospec"),
     ("vs best", "vs_best"),
+    ("steady tok/s (vs best)", "steady"),
     ("tok/req-step", "trs"),
     ("acc/verified", "apv"),
     ("budget/step", "budget"),
@@ -32,6 +33,12 @@ def _tps(row: dict[str, Any]) -> str:
     if row.get("tokens_per_s") is None:
         return "failed"
     return f"{row['tokens_per_s']:.1f} [{row['tokens_per_s_min']:.1f}-{row['tokens_per_s_max']:.1f}]"
+
+
+def _steady(row: dict[str, Any]) -> str:
+    if row.get("steady_tokens_per_s") is None:
+        return "-"
+    return f"{row['steady_tokens_per_s']:.1f} ({_num(row.get('steady_ratio_vs_best_baseline'))})"
 
 
 def _method(row: dict[str, Any]) -> str:
@@ -65,6 +72,7 @@ def table_cells(row: dict[str, Any]) -> dict[str, str]:
         "tps": _tps(row),
         "vs_nospec": _num(row.get("ratio_vs_nospec")),
         "vs_best": _num(row.get("ratio_vs_best_baseline")),
+        "steady": _steady(row),
         "trs": _num(row.get("tokens_per_request_step")),
         "apv": _num(row.get("accepted_per_verified_draft")),
         "budget": _num(row.get("mean_step_budget"), 1),
@@ -109,6 +117,12 @@ def ratio_summary(rows: Sequence[dict[str, Any]]) -> list[str]:
         cells = [
             f"batch {r['batch_size']}: {_num(r.get('ratio_vs_nospec'))}x no-spec, "
             f"{_num(r.get('ratio_vs_best_baseline'))}x best ({r.get('best_baseline') or '-'})"
+            + (
+                f" (steady: {_num(r.get('steady_ratio_vs_nospec'))}x no-spec, "
+                f"{_num(r.get('steady_ratio_vs_best_baseline'))}x best)"
+                if r.get("steady_tokens_per_s") is not None
+                else ""
+            )
             for r in mine
         ]
         lines.append(f"{method}: " + "; ".join(cells))

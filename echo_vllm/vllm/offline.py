@@ -7,7 +7,8 @@ A job is a JSON object: {"model", "prompts": [str] | "prompt_token_ids": [[int]]
 "temperature", "seed", "sampling_seed" (per-request seed; null = none), "speculative_config" (dict or null),
 "max_num_seqs", "dtype", "extra": {LLM kwargs},
 "warmup_prompts": [str] | "warmup_prompt_token_ids": [[int]] (optional), "warmup_max_tokens" (default max_tokens),
-"echo_stats": bool (echo jobs: return the worker's `EchoProposer.echo_stats()`, via `LLM.collective_rpc`)}.
+"echo_stats": bool (echo jobs: return the worker's `EchoProposer.echo_stats()`, via `LLM.collective_rpc`),
+"steady_window": bool (time the timed generate's steady window too: `generate_with_steady_window`)}.
 
 Warm-up (benchmarks): the warm-up prompts are generated once, untimed, in the same engine before the timed
 generate, with ignore_eos so that their length (and so the number of engine steps) is what the job asked for.
@@ -26,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from echo_vllm.runtime_env import cpu_runtime_env
@@ -145,7 +147,12 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     step_log_offset = _step_log_size()
     before = _counters(llm)
     started = time.time()
-    outputs = llm.generate(_prompts(job, "prompt_token_ids", "prompts"), params, use_tqdm=False)
+    prompts = _prompts(job, "prompt_token_ids", "prompts")
+    steady = None
+    if job.get("steady_window"):
+        outputs, steady = generate_with_steady_window(llm, prompts, params, int(kwargs["max_num_seqs"]))
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     generate_seconds = time.time() - started
     after = _counters(llm)
     counts = {key: after[key] - before[key] for key in after}
@@ -167,6 +174,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "engine_seconds": engine_seconds,
         "scheduler": scheduler,
         "generate_seconds": generate_seconds,
+        "steady": steady,
         "spec": {
             "num_drafts": drafts,
             "num_draft_tokens": draft_tokens,
@@ -176,6 +184,46 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             "accepted_per_draft_token": (accepted / draft_tokens) if draft_tokens else None,
         },
     }
+
+
+def _generated_tokens(llm) -> float:
+    return _counter(llm.get_metrics(), "vllm:generation_tokens")
+
+
+def generate_with_steady_window(
+    llm, prompts: list[Any], params, max_num_seqs: int, clock: Callable[[], float] = time.time
+) -> tuple[list[Any], Any]:
+    """`llm.generate`'s own loop (enqueue, then engine steps until every request finished; outputs in request
+    order), also measuring the steady window: the steps during which requests were waiting for a slot, i.e. the
+    engine was full, as a server under sustained load is. It opens after the first step that ends with requests
+    waiting and closes after the first step that ends with none (from then on the batch only drains).
+
+    Returns (outputs, {"seconds", "tokens", "steps"} of the window, or None when no request ever waited: a run of
+    one batch of prompts has no steady part). The total time (`generate_seconds`) is what an offline batch job
+    sees, ramp-up and drain included; the window is what a busy server sees. A lockstep no-spec run never drains;
+    a speculative one finishes its last requests one by one, so the two can rank methods differently.
+    """
+    llm.enqueue(prompts, params, use_tqdm=False)
+    engine = llm.llm_engine
+    outputs: list[Any] = []
+    opened: tuple[float, float, int] | None = None  # (time, generated tokens, steps) when the window opened
+    steady: dict[str, float] | None = None
+    steps = 0
+    while engine.has_unfinished_requests():
+        outputs.extend(out for out in engine.step() if out.finished)
+        steps += 1
+        if steady is not None:
+            continue
+        waiting = engine.get_num_unfinished_requests() > max_num_seqs
+        if opened is None and waiting:
+            opened = (clock(), _generated_tokens(llm), steps)
+        elif opened is not None and not waiting:
+            steady = {
+                "seconds": clock() - opened[0],
+                "tokens": _generated_tokens(llm) - opened[1],
+                "steps": float(steps - opened[2]),
+            }
+    return sorted(outputs, key=lambda out: int(out.request_id)), steady
 
 
 def _structured(job: dict[str, Any]) -> Any:

@@ -69,7 +69,7 @@ def test_a_linear_curve_profiled_at_one_batch_extrapolates_linearly_to_larger_st
     # A CPU-like step cost, linear in the step's tokens, profiled at batch 32 only (N = 32..160): a larger batch
     # later verifies steps of 256-640 tokens, beyond every sample. The curve must continue the measured line
     # there. (The previous smoothness prior, second differences in knot index, is zero for a curve linear in
-    # log N: it extrapolated with equal increments per doubling and priced a 640-token step ~20 % too low, so
+    # log N: it extrapolated with equal increments per doubling and priced a 640-token step at 69 % of it, so
     # verifying at high load looked cheaper than it is.)
     def truth(n, b):
         return 0.01 + 0.0004 * n

@@ -1,0 +1,143 @@
+"""Interleaved comparison of arbitrary engine variants on the CPU testbed: total and steady-window tokens/s.
+
+    PYTHONPATH=. python scripts/variants_ab.py --batch-sizes 16 --rounds 3 \
+        nospec eagle3@2 echo-auto@4 echo-auto@2 'echo-auto@4:probe_interval=0'
+
+A variant is METHOD@DEPTH[:KEY=VALUE,...] (METHOD one of nospec, eagle3, echo, echo-auto, echo-tree; the
+KEY=VALUE pairs go into the `echo` block). Per batch size and round every variant runs in a fresh engine built
+exactly as `echo-vllm bench vllm` builds it (same prompts, waves, warm-up, prefix caching off), in a rotating
+order. Prints, per variant, the median tok/s of the whole timed generate and of its steady window (the steps
+while requests waited for a slot) with min-max, the ratio of each to no-spec, and from `echo_stats()` the mean
+draft depth, drafts verified per step and ms per step. Greedy output is checked against no-spec in every job.
+An experiment tool (what is worth changing), not the benchmark of record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_variant(text: str) -> tuple[str, str, int | None, dict[str, Any]]:
+    """(label, method, depth, echo overrides) of METHOD@DEPTH[:KEY=VALUE,...]."""
+    head, _, tail = text.partition(":")
+    method, _, depth = head.partition("@")
+    overrides = {}
+    for item in filter(None, tail.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"variant {text!r}: give KEY=VALUE after ':'")
+        overrides[key] = _value(value)
+    return text, method, int(depth) if depth else None, overrides
+
+
+def main() -> int:
+    from echo_vllm.bench.vllm_cli import plan_from_args
+    from echo_vllm.bench.vllm_plan import Variant, expand_variants
+    from echo_vllm.bench.vllm_run import build_job
+    from echo_vllm.vllm.offline import run_in_subprocess
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("variants", nargs="+")
+    parser.add_argument("--batch-sizes", default="16")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--limit", type=int, default=16)
+    parser.add_argument("--waves", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    specs = [parse_variant(v) for v in args.variants]
+    if specs[0][1] != "nospec":
+        specs.insert(0, ("nospec", "nospec", None, {}))
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
+            ns = argparse.Namespace(
+                methods="nospec,echo-auto", eagle3_depths=[1], depth=4, top_k=4, k_max=16, warmup_steps=16,
+                profile_steps=24, surplus_tail=True, dataset="humaneval", testbed=None, limit=args.limit,
+                waves=args.waves, max_tokens=args.max_tokens, batch_sizes=[batch_size], rounds=args.rounds,
+            )  # fmt: skip
+            plan = plan_from_args(ns)
+            echo_base = plan.variants[-1].echo
+            variants: dict[str, Variant] = {}
+            for label, method, depth, overrides in specs:
+                if method == "nospec":
+                    variants[label] = Variant("nospec")
+                    continue
+                (base,) = [
+                    v
+                    for v in expand_variants([method], [depth or 1], depth or 4, {**echo_base, "k_max": 16})
+                    if v.method == method
+                ]
+                variants[label] = Variant(base.method, base.depth, {**base.echo, **overrides})
+            labels = list(variants)
+            runs: dict[str, list[dict[str, Any]]] = {k: [] for k in labels}
+            for r in range(args.rounds):
+                for label in labels[r % len(labels) :] + labels[: r % len(labels)]:
+                    work = Path(tmp) / f"{batch_size}-{r}-{len(runs[label])}-{labels.index(label)}"
+                    work.mkdir(parents=True)
+                    job, env = build_job(plan, variants[label], batch_size, work, profile_key=True)
+                    out = run_in_subprocess(job, extra_env=env, timeout=1800)
+                    steady = out.get("steady") or {}
+                    row = {
+                        "tok_s": out["num_generated"] / out["generate_seconds"],
+                        "steady": steady["tokens"] / steady["seconds"] if steady.get("seconds") else None,
+                        "token_ids": out["token_ids"],
+                        "stats": out.get("echo_stats") or {},
+                    }
+                    runs[label].append(row)
+                    print(
+                        f"[ab] batch {batch_size} round {r} {label}: {row['tok_s']:.1f} tok/s, steady {row['steady']}",
+                        flush=True,
+                    )
+            base_tokens = runs["nospec"][0]["token_ids"]
+            base = statistics.median(x["tok_s"] for x in runs["nospec"])
+            base_steady = statistics.median(x["steady"] or 0.0 for x in runs["nospec"])
+            for label in labels:
+                rows = runs[label]
+                stats = rows[0]["stats"]
+
+                def mean(key: str, rows=rows) -> float | None:
+                    vals = [x["stats"][key] for x in rows if isinstance(x["stats"].get(key), int | float)]
+                    return round(statistics.mean(vals), 3) if vals else None
+
+                tok = statistics.median(x["tok_s"] for x in rows)
+                steady_vals = [x["steady"] for x in rows if x["steady"]]
+                steady = statistics.median(steady_vals) if steady_vals else None
+                row = {
+                    "batch_size": batch_size,
+                    "variant": label,
+                    "tok_s": round(tok, 1),
+                    "tok_s_range": [round(min(x["tok_s"] for x in rows), 1), round(max(x["tok_s"] for x in rows), 1)],
+                    "vs_nospec": round(tok / base, 3),
+                    "steady": round(steady, 1) if steady else None,
+                    "steady_range": [round(min(steady_vals), 1), round(max(steady_vals), 1)] if steady_vals else None,
+                    "steady_vs_nospec": round(steady / base_steady, 3) if steady and base_steady else None,
+                    "identical": all(x["token_ids"] == base_tokens for x in rows),
+                    "mean_draft_depth": mean("mean_draft_depth"),
+                    "mean_step_sum": mean("mean_step_sum"),
+                    "ms_per_step": stats.get("ms_per_step"),
+                }
+                results.append(row)
+                print(json.dumps(row), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"command": sys.argv, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONPATH", str(Path(__file__).resolve().parent.parent))
+    sys.exit(main())

@@ -394,34 +394,6 @@ def test_the_jump_of_verifying_at_all_is_charged_once_to_every_cut_that_verifies
     assert budget.controller.value == pytest.approx([1.0, 2 / 2.0, 2 / 2.0, 2 / 2.0])
 
 
-def test_each_verified_draft_pays_its_first_pass_row_in_the_cut_and_in_hindsight():
-    """The drafter's first pass runs over every verified draft of the step that drafts after it: a cut of k drafts
-    pays h k on top of the target's tokens when the plan drafts (a plain plan defers the first pass), and in
-    hindsight each depth level pays h for each node it verified. With h, a chain whose drafts are worth less than
-    their token + row is cut; without it, it was verified whole."""
-    from echo_vllm.core.auto_budget import DraftPlan
-    from echo_vllm.core.cost_model import CostModel
-    from echo_vllm.core.time_budget import TimeAwareBudget
-
-    flat = CostModel((1.0, 2.0, 4.0, 8.0), (1.0, 1.1, 1.3, 1.7), 0.0, (0.0, 0.0, 0.0, 0.0), 0.0, 4)
-    budget = TimeAwareBudget(3, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None)
-    budget.acceptance.table.fill_(0.12)
-    tree = _chains(torch.log(torch.tensor([[0.3, 0.3, 0.3]])))
-    plan = DraftPlan(3, 3, False)
-    for row, expected in ((0.0, [3]), (0.1, [0])):
-        budget.cost_model = dataclasses.replace(flat, first_pass_row_s=row)
-        budget._curve_cache.clear()
-        rest, _ = budget.curves(1, 3, 3, 3, "cpu")
-        assert rest.tolist() == pytest.approx([1.0 + (k * row) + (0.1 * k) for k in range(4)])
-        assert budget.curves(1, 3, 3, 0, "cpu")[0].tolist() == pytest.approx([1.0 + 0.1 * k for k in range(4)])
-        selection, _ = budget.select(tree, Gates.open(1, 3), 1, plan, False, depth=3, chain=True)
-        assert selection.counts.tolist() == expected
-    budget.cost_model = dataclasses.replace(flat, first_pass_row_s=0.5)
-    budget.observe_verification(torch.tensor([3]), torch.tensor([[1, 2, 3]]), batch=1, drafted_depth=3)
-    # Level d: 1 + d tokens over rest(1 + d) + 0.5 d.
-    assert budget.controller.value == pytest.approx([1.0, 2 / 1.6, 3 / 2.2, 4 / 2.8])
-
-
 def test_a_probe_verifies_every_draft_even_where_nothing_pays():
     """A probe is a measurement: cut by the budget (at least one draft per request, as before), the hindsight
     values of deeper depths were capped by the probe's own cut, so a plan that chose plain decoding saw every

@@ -118,7 +118,7 @@ def test_first_pass_cost_is_recovered_and_deep_drafts_are_not_overpriced():
     # The marginal depth costs a chained pass, not the first pass's share (the linear model's bias to shallow).
     assert model.draft_seconds(1, 4) - model.draft_seconds(1, 3) == pytest.approx(0.0006, rel=0.15)
     # Profiles written before the first-pass terms load as the linear model (zeros); the verify terms came after.
-    old_vector = model.to_vector()[:-5]
+    old_vector = model.to_vector()[:-4]
     assert CostModel.from_vector(old_vector).first_pass_terms == (0.0, 0.0)
 
 
@@ -156,52 +156,7 @@ def test_the_jump_of_verifying_at_all_is_recovered_and_small_budgets_are_not_und
     flat = dataclasses.replace(model, verify_terms=(0.0, 0.0))
     assert flat.step_seconds(9, 8, 0, verified=1) - flat.step_seconds(8, 8, 0) < 0.001
     # Vectors and profiles written before the verify terms load with zeros.
-    assert CostModel.from_vector(model.to_vector()[:-3]).verify_terms == (0.0, 0.0)
-
-
-def _first_pass_rows_samples(n=500, seed=7, noise=0.03):
-    """The testbed's shape at batch 16-32 (a step log at batch 32: ~0.22 ms per verified draft in the proposer,
-    ~0.5 ms per chained pass): the drafter's first pass runs over every token of the step's forward, so the
-    proposer's time grows with the drafts that forward verified; and a plan that drafts deep is a plan that
-    verified deep (V ~ B x the last depth), so depth and V move together, as in a real run."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        batch = rng.choice([8, 16, 32])
-        depth = rng.randint(0, 4)
-        verified = 0 if depth == 0 else max(0, min(4 * batch, int(batch * (depth + rng.uniform(-1.5, 1.5)))))
-        tokens = batch + verified
-        rest = 0.004 + 0.0003 * tokens + (0.002 if verified else 0.0)
-        draft = 0.002 + (0.001 + 0.0001 * batch + 0.00022 * verified if depth >= 1 else 0.0) + depth * 0.0005
-        out.append(
-            StepSample(
-                tokens, batch, depth, rest * rng.uniform(1 - noise, 1 + noise), draft * rng.uniform(1 - noise, 1 + noise),
-                verified=verified,
-            )
-        )  # fmt: skip
-    return out
-
-
-def test_the_first_pass_row_of_each_verified_draft_is_recovered_and_not_charged_to_depth():
-    """Each verified draft costs the target's token and the drafter's first-pass row. Without the row term the
-    fit put the rows into the per-depth terms (deep steps verified more): a chained pass looked ~4x its cost and a
-    verified draft ~40 % cheaper than it is, which made deep plans and big budgets look cheap."""
-    samples = _first_pass_rows_samples()
-    model = fit_cost_model(samples)
-    assert model is not None and model.fit_error < 0.05
-    assert model.first_pass_row_s == pytest.approx(0.00022, rel=0.15)
-    for batch in (8, 32):
-        # The marginal depth costs a chained pass; the marginal verified draft its token and its row.
-        assert model.draft_seconds(batch, 4, 64) - model.draft_seconds(batch, 3, 64) == pytest.approx(0.0005, rel=0.3)
-        one_more = model.step_seconds(batch + 65, batch, 2, 65) - model.step_seconds(batch + 64, batch, 2, 64)
-        assert one_more == pytest.approx(0.0003 + 0.00022, rel=0.15)
-        assert model.draft_seconds(batch, 0, 64) == pytest.approx(0.002, rel=0.15)  # a plain step: deferred
-    # The same samples without the row (what the proposer recorded before): per-depth terms absorb it.
-    blind = fit_cost_model([dataclasses.replace(s, verified=min(s.verified, 1)) for s in samples])
-    assert blind is not None
-    assert blind.draft_seconds(32, 4) - blind.draft_seconds(32, 3) > 2 * 0.0005
-    assert CostModel.from_vector(model.to_vector()) == model
-    assert CostModel.from_vector(model.to_vector()[:-1]).first_pass_row_s == 0.0  # older vectors: no row
+    assert CostModel.from_vector(model.to_vector()[:-2]).verify_terms == (0.0, 0.0)
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -294,11 +249,9 @@ def test_profile_file_round_trip_and_default_path(tmp_path):
     raw = json.loads(path.read_text())
     del raw["cost_model"]["first_pass_terms"]
     del raw["cost_model"]["verify_terms"]
-    del raw["cost_model"]["first_pass_row_s"]
     path.write_text(json.dumps(raw))
     assert load_profile(path, 4)[0].first_pass_terms == (0.0, 0.0)
     assert load_profile(path, 4)[0].verify_terms == (0.0, 0.0)
-    assert load_profile(path, 4)[0].first_pass_row_s == 0.0
     assert default_profile_path(str(tmp_path / "cal.json")) == tmp_path / "cal.budget.json"
     assert default_profile_path(None) is None
 

@@ -66,10 +66,7 @@ def oracle_bound(records: Iterable[Mapping[str, Any]], cost: StepCost) -> Oracle
         oracle += cost.step_seconds(float(batch + sum(accepted)), batch, max(accepted, default=0), sum(accepted))
         drafted = int(record.get("drafted_depth", record["draft_depth"]))  # the early exit may stop short of the plan
         # A step whose forward verified drafts lists each verified request's accepted count (verify(B) applies).
-        # Its drafter's first pass ran over every verified draft (`verified_in_forward`; older logs: the count of
-        # verified requests, which only says whether verify(B) applies).
-        verified = int(record.get("verified_in_forward", len(accepted)))
-        policy += cost.step_seconds(float(record["num_tokens"]), batch, drafted, verified)
+        policy += cost.step_seconds(float(record["num_tokens"]), batch, drafted, len(accepted))
         steps += 1
     if steps == 0:
         return unavailable("no ECHO steps were recorded in the timed part")

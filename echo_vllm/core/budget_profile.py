@@ -41,8 +41,6 @@ class _CostModelJson(BaseModel):
     verify_terms: list[float] = Field(
         default_factory=lambda: [0.0, 0.0], min_length=VERIFY_TERMS, max_length=VERIFY_TERMS
     )
-    # Added with the first pass's row per verified draft; profiles written before it have none (0).
-    first_pass_row_s: float = Field(default=0.0, ge=0)
 
 
 class _AcceptanceJson(BaseModel):
@@ -85,7 +83,6 @@ def save_profile(path: str | os.PathLike[str], cost: CostModel, acceptance: Acce
             "tree_terms": list(cost.tree_terms),
             "first_pass_terms": list(cost.first_pass_terms),
             "verify_terms": list(cost.verify_terms),
-            "first_pass_row_s": cost.first_pass_row_s,
         },
         "acceptance": acceptance.to_json_dict(),
     }
@@ -136,7 +133,6 @@ def load_profile(
             (c.tree_terms[0], c.tree_terms[1]),
             (c.first_pass_terms[0], c.first_pass_terms[1]),
             (c.verify_terms[0], c.verify_terms[1]),
-            c.first_pass_row_s,
         )
         acceptance = AcceptanceModel.from_json_dict(data.acceptance.model_dump(), expected_max_depth, device)
     except (ValueError, RuntimeError) as err:

@@ -7,15 +7,9 @@ prefill chunks), B the number of running requests and d the draft depth drafted 
   rest(N, B)  = everything outside the proposer (scheduler, target forward, sampling and acceptance, host work):
                 a piecewise-linear, non-decreasing curve in N over power-of-two knots (flat below the hardware's
                 saturation knee on a GPU, about linear on a small CPU) plus a per-request term;
-  draft(B, d, V) = a + b B + [d >= 1] (f + g B + h V) + d (c + e B): the proposer's fixed work, the drafter's
-                first pass (which also feeds the accepted tokens of the last step: on the testbed it costs 2-3x a
-                chained pass, so a model linear in d overprices deep drafts) and d chained passes at batch B.
-                h V: vLLM's first pass runs the head over every token of the step's target forward, so each of
-                the V drafts that forward verified is one more row (rejected ones too). Without it the cost of a
-                verified draft was the target's alone: on the testbed at batch 32 the head adds ~0.22 ms per verified
-                draft to the target's ~0.3 ms, and a model without it put that into the per-depth terms (the
-                steps that draft deep are the ones that verified many), so deep plans and big budgets looked cheap.
-                (On a plain step with `defer_plain_head` the first pass is deferred: no h V.)
+  draft(B, d) = a + b B + [d >= 1] (f + g B) + d (c + e B): the proposer's fixed work, the drafter's first
+                pass (which also feeds the accepted tokens of the last step: on the testbed it costs 2-3x a chained
+                pass, so a model linear in d overprices deep drafts) and d chained passes at batch B.
 A step whose forward verifies any drafts (V > 0) adds
   verify(B)   = [V > 0] (v0 + v1 B): what verifying at all costs over a plain step, whatever the number of drafts:
                 multi-token queries (vLLM's CPU attention takes its prefill path for them), the rejection sampler,
@@ -126,7 +120,7 @@ def _robust_lstsq(x: torch.Tensor, y: torch.Tensor, ridge: torch.Tensor, passes:
 class CostModel:
     """rest(N, B) over `knots` (seconds per knot, non-decreasing) + `per_request_s` x B; draft terms (a, b, c, e);
     tree terms (t0, t1) of a step verifying W > 0 nodes off the spine; first-pass terms (f, g) of a step that
-    drafts at all and its row per verified draft (h); absent from profiles written before them: 0, the older models.
+    drafts at all (absent from profiles written before them: 0, the old linear model).
 
     fit_error: median relative error |predicted - observed| / observed of the step time over the fitted samples.
     """
@@ -140,7 +134,6 @@ class CostModel:
     tree_terms: tuple[float, float] = (0.0, 0.0)
     first_pass_terms: tuple[float, float] = (0.0, 0.0)
     verify_terms: tuple[float, float] = (0.0, 0.0)
-    first_pass_row_s: float = 0.0  # h: the drafter's first pass per draft the step's forward verified
 
     def __post_init__(self) -> None:
         if len(self.knots) < 2 or len(self.knots) != len(self.rest_s):
@@ -149,7 +142,7 @@ class CostModel:
             raise ValueError("cost model knots must be strictly increasing")
         values = [
             *self.rest_s, self.per_request_s, *self.draft_terms, *self.tree_terms, *self.first_pass_terms,
-            *self.verify_terms, self.first_pass_row_s,
+            *self.verify_terms,
         ]  # fmt: skip
         if (
             len(self.draft_terms) != DRAFT_TERMS
@@ -195,22 +188,21 @@ class CostModel:
         w = width.to(torch.float64)
         return torch.where(w > 0, t0 + t1 * w, torch.zeros_like(w))
 
-    def draft_seconds(self, batch: int, draft_depth: int, verified: float = 0.0) -> float:
-        """draft(B, d, V): drafting to depth d at batch B in a step whose forward verified V drafts."""
+    def draft_seconds(self, batch: int, draft_depth: int) -> float:
         a, b, c, e = self.draft_terms
         f, g = self.first_pass_terms
-        first = f + g * batch + self.first_pass_row_s * verified if draft_depth >= 1 else 0.0
+        first = f + g * batch if draft_depth >= 1 else 0.0
         return a + b * batch + first + draft_depth * (c + e * batch)
 
     def step_seconds(self, num_tokens: float, batch: int, draft_depth: int, verified: float = 0) -> float:
         rest = float(self.rest_seconds(torch.tensor([float(num_tokens)]), batch)[0])
-        return rest + self.verify_at(batch, verified) + self.draft_seconds(batch, draft_depth, verified)
+        return rest + self.verify_at(batch, verified) + self.draft_seconds(batch, draft_depth)
 
     # -- transport (TP broadcast) -----------------------------------------------------------------------------
 
     def to_vector(self) -> list[float]:
         """Flat floats: [K, knots..., rest..., per_request, draft terms..., fit_error, num_samples, tree terms...,
-        first-pass terms..., verify terms..., first-pass row]."""
+        first-pass terms..., verify terms...]."""
         return [
             float(len(self.knots)),
             *self.knots,
@@ -222,7 +214,6 @@ class CostModel:
             *self.tree_terms,
             *self.first_pass_terms,
             *self.verify_terms,
-            self.first_pass_row_s,
         ]
 
     @classmethod
@@ -235,12 +226,11 @@ class CostModel:
         tree = (tail[7], tail[8]) if len(tail) >= 9 else (0.0, 0.0)
         first = (tail[9], tail[10]) if len(tail) >= 11 else (0.0, 0.0)
         verify = (tail[11], tail[12]) if len(tail) >= 13 else (0.0, 0.0)
-        row = tail[13] if len(tail) >= 14 else 0.0
-        return cls(knots, rest, tail[0], draft, tail[5], int(tail[6]), tree, first, verify, row)
+        return cls(knots, rest, tail[0], draft, tail[5], int(tail[6]), tree, first, verify)
 
 
 def vector_length(num_knots: int) -> int:
-    return 1 + 2 * num_knots + 1 + DRAFT_TERMS + 2 + TREE_TERMS + FIRST_PASS_TERMS + VERIFY_TERMS + 1
+    return 1 + 2 * num_knots + 1 + DRAFT_TERMS + 2 + TREE_TERMS + FIRST_PASS_TERMS + VERIFY_TERMS
 
 
 def _nonnegative_lstsq(x: torch.Tensor, y: torch.Tensor, ridge: float) -> torch.Tensor:
@@ -336,8 +326,7 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
     rest = torch.tensor([s.rest_s for s in rows], dtype=torch.float64)
     draft = torch.tensor([s.draft_s for s in rows], dtype=torch.float64)
     width = torch.tensor([s.width for s in rows], dtype=torch.float64)
-    verified = torch.tensor([float(s.verified) for s in rows], dtype=torch.float64)
-    verifying = (verified > 0).to(torch.float64)
+    verifying = torch.tensor([1.0 if s.verified > 0 else 0.0 for s in rows], dtype=torch.float64)
 
     knots = torch.tensor(_knots_for(float(n.max())), dtype=torch.float64)
     k = knots.numel()
@@ -351,9 +340,7 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
     verify = (float(v[k + 3]), float(v[k + 4]))
 
     drafts = (depth >= 1).to(torch.float64)
-    x_draft = torch.stack(
-        [torch.ones_like(batch), batch, depth, depth * batch, drafts, drafts * batch, drafts * verified], dim=1
-    )
+    x_draft = torch.stack([torch.ones_like(batch), batch, depth, depth * batch, drafts, drafts * batch], dim=1)
     w = _nonnegative_lstsq(x_draft, draft, 1e-9 * len(rows))
     terms = tuple(float(t) for t in w)
 
@@ -376,5 +363,4 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
         tree,
         (terms[4], terms[5]),
         verify,
-        terms[6],
     )

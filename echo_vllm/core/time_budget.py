@@ -162,10 +162,6 @@ class TimeAwareBudget:
             draft = torch.full((depth + 1,), cost.draft_seconds(batch, planned_depth), dtype=torch.float64)
             rest = cost.rest_seconds(sizes, batch)
             rest[1:] += cost.verify_at(batch, 1)  # any cut that verifies something pays verify(B)
-            if planned_depth >= 1:
-                # The step that verifies k drafts runs the drafter's first pass over them too (if it drafts: the
-                # plan's depth stands for the next step's): h k on top of the target's cost of k more tokens.
-                rest += cost.first_pass_row_s * (sizes - batch)
             cached = (rest.to(device), draft.to(device))
             if len(self._curve_cache) > 256:  # batch sizes churn under load: keep the cache small
                 self._curve_cache.clear()
@@ -226,7 +222,7 @@ class TimeAwareBudget:
         # Per depth level, not per request; a level that verifies anything pays verify(B) on top.
         rates_per_level = [
             (batch + emitted_h[d]) / max(cost.rest_at(batch + nodes_h[d], batch) + cost.verify_at(batch, nodes_h[d])
-                                         + cost.draft_seconds(batch, d, nodes_h[d]), 1e-12)
+                                         + cost.draft_seconds(batch, d), 1e-12)
             for d in range(len(emitted_h))
         ]  # fmt: skip
         # Relative to the step's own plain-decoding rate: steps of different batch sizes average on one scale.

@@ -4,7 +4,8 @@
         nospec eagle3@2 echo-auto@4 echo-auto@2 'echo-auto@4:probe_interval=0'
 
 A variant is METHOD@DEPTH[:KEY=VALUE,...] (METHOD one of nospec, eagle3, echo, echo-auto, echo-tree; the
-KEY=VALUE pairs go into the `echo` block). Per batch size and round every variant runs in a fresh engine built
+KEY=VALUE pairs go into the `echo` block, except env.NAME=VALUE, which sets an environment variable of that
+variant's engine process). Per batch size and round every variant runs in a fresh engine built
 exactly as `echo-vllm bench vllm` builds it (same prompts, waves, warm-up, prefix caching off), in a rotating
 order. Prints, per variant, the median tok/s of the whole timed generate and of its steady window (the steps
 while requests waited for a slot) with min-max, the ratio of each to no-spec, and from `echo_stats()` the mean
@@ -73,6 +74,7 @@ def main() -> int:
             plan = plan_from_args(ns)
             echo_base = plan.variants[-1].echo
             variants: dict[str, Variant] = {}
+            envs: dict[str, dict[str, str]] = {}
             for label, method, depth, overrides in specs:
                 if method == "nospec":
                     variants[label] = Variant("nospec")
@@ -82,7 +84,9 @@ def main() -> int:
                     for v in expand_variants([method], [depth or 1], depth or 4, {**echo_base, "k_max": 16})
                     if v.method == method
                 ]
-                variants[label] = Variant(base.method, base.depth, {**base.echo, **overrides})
+                echo = {k: v for k, v in overrides.items() if not k.startswith("env.")}
+                variants[label] = Variant(base.method, base.depth, {**base.echo, **echo})
+                envs[label] = {k[4:]: str(v) for k, v in overrides.items() if k.startswith("env.")}
             labels = list(variants)
             runs: dict[str, list[dict[str, Any]]] = {k: [] for k in labels}
             for r in range(args.rounds):
@@ -90,7 +94,7 @@ def main() -> int:
                     work = Path(tmp) / f"{batch_size}-{r}-{len(runs[label])}-{labels.index(label)}"
                     work.mkdir(parents=True)
                     job, env = build_job(plan, variants[label], batch_size, work, profile_key=True)
-                    out = run_in_subprocess(job, extra_env=env, timeout=1800)
+                    out = run_in_subprocess(job, extra_env={**env, **envs.get(label, {})}, timeout=1800)
                     steady = out.get("steady") or {}
                     row = {
                         "tok_s": out["num_generated"] / out["generate_seconds"],

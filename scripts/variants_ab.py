@@ -10,7 +10,8 @@ exactly as `echo-vllm bench vllm` builds it (same prompts, waves, warm-up, prefi
 order. Prints, per variant, the median tok/s of the whole timed generate and of its steady window (the steps
 while requests waited for a slot) with min-max, the ratio of each to no-spec, and from `echo_stats()` the mean
 draft depth, drafts verified per step and ms per step. Greedy output is checked against no-spec in every job.
-An experiment tool (what is worth changing), not the benchmark of record.
+An experiment tool (what is worth changing), not the benchmark of record. An A/B of one setting (what
+scripts/ab_echo_settings.py did): `nospec echo-auto@4 echo-auto@4:defer_plain_head=false`.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ KEY=VALUE pairs go into the `echo` block, except env.NAME=VALUE, which sets an e
 variant's engine process). Per batch size and round every variant runs in a fresh engine built
 exactly as `echo-vllm bench vllm` builds it (same prompts, waves, warm-up, prefix caching off), in a rotating
 order. Prints, per variant, the median tok/s of the whole timed generate and of its steady window (the steps
-while requests waited for a slot) with min-max, the ratio of each to no-spec, and from `echo_stats()` the mean
+while requests waited for a slot) with min-max, the ratio of each to no-spec, the paired ratio per round to the
+best of no-spec and the eagle3 variants in that round (and its median), and from `echo_stats()` the mean
 draft depth, drafts verified per step and ms per step. Greedy output is checked against no-spec in every job.
 An experiment tool (what is worth changing), not the benchmark of record. An A/B of one setting (what
 scripts/ab_echo_settings.py did): `nospec echo-auto@4 echo-auto@4:defer_plain_head=false`.
@@ -111,6 +112,10 @@ def main() -> int:
             base_tokens = runs["nospec"][0]["token_ids"]
             base = statistics.median(x["tok_s"] for x in runs["nospec"])
             base_steady = statistics.median(x["steady"] or 0.0 for x in runs["nospec"])
+            # Paired per round: each variant over the best of no-spec and the eagle3 variants in that same round
+            # (the machine's speed drifts between rounds; a ratio within a round cancels most of it).
+            baselines = [k for k in labels if k == "nospec" or k.startswith("eagle3")]
+            best_in_round = [max(runs[k][r]["tok_s"] for k in baselines) for r in range(args.rounds)]
             for label in labels:
                 rows = runs[label]
                 stats = rows[0]["stats"]
@@ -131,6 +136,10 @@ def main() -> int:
                     "steady": round(steady, 1) if steady else None,
                     "steady_range": [round(min(steady_vals), 1), round(max(steady_vals), 1)] if steady_vals else None,
                     "steady_vs_nospec": round(steady / base_steady, 3) if steady and base_steady else None,
+                    "vs_best_in_round": [round(x["tok_s"] / b, 3) for x, b in zip(rows, best_in_round)],
+                    "vs_best_in_round_median": round(
+                        statistics.median(x["tok_s"] / b for x, b in zip(rows, best_in_round)), 3
+                    ),
                     "identical": all(x["token_ids"] == base_tokens for x in rows),
                     "mean_draft_depth": mean("mean_draft_depth"),
                     "mean_step_sum": mean("mean_step_sum"),

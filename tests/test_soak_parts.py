@@ -224,3 +224,15 @@ def test_startup_line_names_settings_calibration_op_and_vllm():
     assert line.startswith("ECHO proposer: max_depth=4 k_max=6 gate_mode=sparse delta=0.7 ")
     for field in ("calibration=warmup", "budget_op=cpu:csrc", "vllm=0.32.0", "runner=CPUModelRunner"):
         assert field in line
+
+
+def test_server_outlives_the_clients_idle_connections(tmp_path, monkeypatch):
+    """Equal keep-alive timeouts race (a request sent on a socket the server is closing: ReadError), so the soak's
+    server keeps idle connections well past the client's expiry, whatever the caller's environment says."""
+    from echo_vllm.soak.client import CLIENT_KEEPALIVE_S, SERVER_KEEPALIVE_S
+    from echo_vllm.soak.config import SoakConfig
+    from echo_vllm.soak.runner import server_env
+
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5")  # vLLM's default, equal to httpx's default expiry
+    env = server_env(SoakConfig(model=tmp_path, head=tmp_path, out_dir=tmp_path))
+    assert float(env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"]) == SERVER_KEEPALIVE_S >= 10 * CLIENT_KEEPALIVE_S

@@ -20,6 +20,15 @@ CLIENT_CANCELLED = "client_cancelled"
 HOSTILE_4XX = "hostile_4xx"
 ERROR = "error"
 
+# The client drops an idle pooled connection long before the server would close it (SERVER_KEEPALIVE_S), so a
+# request never goes out on a connection the server is closing. Equal timeouts (httpx and vLLM both default to 5 s)
+# race. The likely mechanism on a loaded 2-core host: libuv (uvloop) runs due timers before it polls sockets, so a
+# server event loop that wakes late fires uvicorn's keep-alive timeout first and closes a socket whose next request
+# is still unread; the kernel answers with a reset and the client sees ReadError (CI, stop 24: one in 160 warm-up
+# requests, server healthy, no traceback). Load balancers in front of vLLM need the same order of timeouts.
+CLIENT_KEEPALIVE_S = 2.0
+SERVER_KEEPALIVE_S = 75
+
 
 @dataclass
 class RequestResult:
@@ -193,7 +202,9 @@ async def run_traffic(
     t0 = time.monotonic()
     deadline = None if duration_s is None else t0 + duration_s
     results: list[RequestResult] = []
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    limits = httpx.Limits(
+        max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=CLIENT_KEEPALIVE_S
+    )
     async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s), limits=limits, trust_env=False) as http:
 
         async def worker() -> None:

@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from echo_vllm.soak import checks as ck
-from echo_vllm.soak.client import COMPLETED, ERROR, RequestResult, TrafficRun, run_traffic_sync
+from echo_vllm.soak.client import (
+    COMPLETED,
+    ERROR,
+    SERVER_KEEPALIVE_S,
+    RequestResult,
+    TrafficRun,
+    run_traffic_sync,
+)
 from echo_vllm.soak.config import SoakConfig
 from echo_vllm.soak.procs import (
     Server,
@@ -102,6 +109,8 @@ def server_env(cfg: SoakConfig) -> dict[str, str]:
 
     env = cpu_runtime_env(os.environ, in_process=False)
     env.setdefault("ECHO_VLLM_LOG_INTERVAL", str(cfg.log_interval_s))  # the soak reads the last stats line
+    # Set, not defaulted: the soak's zero-error checks rely on the server outliving the client's idle connections.
+    env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] = str(SERVER_KEEPALIVE_S)
     return env
 
 
@@ -238,6 +247,10 @@ def _by_index(results: list[RequestResult]) -> dict[int, RequestResult]:
     return {r.index: r for r in results}
 
 
+def _error_line(result: RequestResult) -> str:
+    return f"{result.label}: {result.error}" + (f": {result.detail}" if result.detail else "")
+
+
 def build_checks(cfg: SoakConfig, echo: EchoPhase, nospec: NospecPhase) -> list[ck.Check]:
     warm_errors = [r for r in echo.warmup.results if r.outcome == ERROR]
     checks = [
@@ -245,7 +258,7 @@ def build_checks(cfg: SoakConfig, echo: EchoPhase, nospec: NospecPhase) -> list[
             "warm-up burst without errors",
             not warm_errors,
             f"{len(warm_errors)} errors in {len(echo.warmup.results)} requests"
-            + (f" (first: {warm_errors[0].label}: {warm_errors[0].error})" if warm_errors else ""),
+            + (f" (first: {_error_line(warm_errors[0])})" if warm_errors else ""),
         ),
         ck.check_health(*echo.health),
         ck.check_accounting(echo.soak.results),

@@ -13,6 +13,12 @@ best of no-spec and the eagle3 variants in that round (and its median), and from
 draft depth, drafts verified per step and ms per step. Greedy output is checked against no-spec in every job.
 An experiment tool (what is worth changing), not the benchmark of record. An A/B of one setting (what
 scripts/ab_echo_settings.py did): `nospec echo-auto@4 echo-auto@4:defer_plain_head=false`.
+
+--step-trace times every engine step too (`offline.generate_with_steady_window`'s trace) and prints each
+variant's median step at full batch ("full_step_ms"); with an ECHO auto variant in the run, each static variant
+(nospec, eagle3@d: B x d drafts verified every step) also gets the step time ECHO's fitted cost model predicts
+for it ("model_step_ms", from the first ECHO auto job's `echo_stats()["cost_model"]`): where the two part with
+the depth, the depth plan's hindsight misprices depth.
 """
 
 from __future__ import annotations
@@ -47,6 +53,36 @@ def parse_variant(text: str) -> tuple[str, str, int | None, dict[str, Any]]:
     return text, method, int(depth) if depth else None, overrides
 
 
+def _median_or_none(values: list[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return round(statistics.median(kept), 2) if kept else None
+
+
+def _full_step_ms(trace: dict[str, list[float]] | None, batch_size: int) -> float | None:
+    """Median ms of the steps that ran a full batch (None without a trace or such steps)."""
+    if not trace:
+        return None
+    full = [s for s, b in zip(trace["seconds"], trace["batch"]) if b >= batch_size]
+    return round(1000.0 * statistics.median(full), 2) if full else None
+
+
+def _model_step_ms(runs: dict[str, list[dict[str, Any]]], variant: Any, batch_size: int) -> float | None:
+    """ECHO's fitted cost model's step time for a static variant at full batch: B x d drafts verified, drafted to d."""
+    from echo_vllm.core.cost_model import CostModel
+
+    if variant.method not in ("nospec", "eagle3"):
+        return None
+    vector = next(
+        (x["stats"]["cost_model"] for rows in runs.values() for x in rows if x["stats"].get("cost_model")), None
+    )
+    if vector is None:
+        return None
+    model = CostModel.from_vector(vector)
+    d = variant.depth if variant.method == "eagle3" else 0
+    drafts = batch_size * d
+    return round(1000.0 * model.step_seconds(batch_size + drafts, batch_size, d, verified=drafts), 2)
+
+
 def main() -> int:
     from echo_vllm.bench.vllm_cli import plan_from_args
     from echo_vllm.bench.vllm_plan import Variant, expand_variants
@@ -61,6 +97,7 @@ def main() -> int:
     parser.add_argument("--waves", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--step-trace", action="store_true", help="time each engine step (full-batch medians)")
     args = parser.parse_args()
     specs = [parse_variant(v) for v in args.variants]
     if specs[0][1] != "nospec":
@@ -96,6 +133,7 @@ def main() -> int:
                     work = Path(tmp) / f"{batch_size}-{r}-{len(runs[label])}-{labels.index(label)}"
                     work.mkdir(parents=True)
                     job, env = build_job(plan, variants[label], batch_size, work, profile_key=True)
+                    job["step_trace"] = args.step_trace
                     out = run_in_subprocess(job, extra_env={**env, **envs.get(label, {})}, timeout=1800)
                     steady = out.get("steady") or {}
                     row = {
@@ -103,6 +141,7 @@ def main() -> int:
                         "steady": steady["tokens"] / steady["seconds"] if steady.get("seconds") else None,
                         "token_ids": out["token_ids"],
                         "stats": out.get("echo_stats") or {},
+                        "full_step_ms": _full_step_ms(out.get("step_trace"), batch_size),
                     }
                     runs[label].append(row)
                     print(
@@ -144,6 +183,8 @@ def main() -> int:
                     "mean_draft_depth": mean("mean_draft_depth"),
                     "mean_step_sum": mean("mean_step_sum"),
                     "ms_per_step": stats.get("ms_per_step"),
+                    "full_step_ms": _median_or_none([x["full_step_ms"] for x in rows]),
+                    "model_step_ms": _model_step_ms(runs, variants[label], batch_size),
                 }
                 results.append(row)
                 print(json.dumps(row), flush=True)

@@ -552,3 +552,14 @@ def test_unwritable_outputs_are_refused_before_the_run(tmp_path):
             vllm_cli._output_paths(args)
     ok = build_parser().parse_args(["bench", "vllm", "--json", str(tmp_path / "new" / "b.json")])
     assert vllm_cli._output_paths(ok)[1] == tmp_path / "new" / "b.png"
+
+
+def test_step_trace_records_each_steps_seconds_and_batch():
+    from echo_vllm.vllm.offline import generate_with_steady_window
+
+    # 2 waves of 2 requests x 2 tokens, then one request of 3 alone at the end: batches 2, 2, 2, 2, 1 ... as run.
+    llm = FakeLLM([2, 2, 2, 2, 3], batch=2)
+    trace: dict[str, list[float]] = {"seconds": [], "batch": []}
+    generate_with_steady_window(llm, ["p"] * 5, None, 2, clock=lambda: llm.clock, trace=trace)
+    assert trace["seconds"] == [1.0] * 7  # every step took one fake second
+    assert trace["batch"] == [2.0, 2.0, 2.0, 2.0, 1.0, 1.0, 1.0]

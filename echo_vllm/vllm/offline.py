@@ -8,7 +8,8 @@ A job is a JSON object: {"model", "prompts": [str] | "prompt_token_ids": [[int]]
 "max_num_seqs", "dtype", "extra": {LLM kwargs},
 "warmup_prompts": [str] | "warmup_prompt_token_ids": [[int]] (optional), "warmup_max_tokens" (default max_tokens),
 "echo_stats": bool (echo jobs: return the worker's `EchoProposer.echo_stats()`, via `LLM.collective_rpc`),
-"steady_window": bool (time the timed generate's steady window too: `generate_with_steady_window`)}.
+"steady_window": bool (time the timed generate's steady window too: `generate_with_steady_window`),
+"step_trace": bool (with steady_window: each engine step's seconds and requests in flight, under "step_trace")}.
 
 Warm-up (benchmarks): the warm-up prompts are generated once, untimed, in the same engine before the timed
 generate, with ignore_eos so that their length (and so the number of engine steps) is what the job asked for.
@@ -149,8 +150,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     started = time.time()
     prompts = _prompts(job, "prompt_token_ids", "prompts")
     steady = None
+    trace: dict[str, list[float]] | None = {"seconds": [], "batch": []} if job.get("step_trace") else None
     if job.get("steady_window"):
-        outputs, steady = generate_with_steady_window(llm, prompts, params, int(kwargs["max_num_seqs"]))
+        outputs, steady = generate_with_steady_window(llm, prompts, params, int(kwargs["max_num_seqs"]), trace=trace)
     else:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     generate_seconds = time.time() - started
@@ -175,6 +177,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "scheduler": scheduler,
         "generate_seconds": generate_seconds,
         "steady": steady,
+        "step_trace": trace,
         "spec": {
             "num_drafts": drafts,
             "num_draft_tokens": draft_tokens,
@@ -191,7 +194,12 @@ def _generated_tokens(llm) -> float:
 
 
 def generate_with_steady_window(
-    llm, prompts: list[Any], params, max_num_seqs: int, clock: Callable[[], float] = time.time
+    llm,
+    prompts: list[Any],
+    params,
+    max_num_seqs: int,
+    clock: Callable[[], float] = time.time,
+    trace: dict[str, list[float]] | None = None,
 ) -> tuple[list[Any], Any]:
     """`llm.generate`'s own loop (enqueue, then engine steps until every request finished; outputs in request
     order), also measuring the steady window: the steps during which requests were waiting for a slot, i.e. the
@@ -202,6 +210,10 @@ def generate_with_steady_window(
     one batch of prompts has no steady part). The total time (`generate_seconds`) is what an offline batch job
     sees, ramp-up and drain included; the window is what a busy server sees. A lockstep no-spec run never drains;
     a speculative one finishes its last requests one by one, so the two can rank methods differently.
+
+    trace (optional): gets each step's wall seconds ("seconds") and the requests it could run ("batch": unfinished
+    requests before the step, at most max_num_seqs), e.g. to compare the step cost of static depths with ECHO's
+    cost model. Two clock reads per step.
     """
     llm.enqueue(prompts, params, use_tqdm=False)
     engine = llm.llm_engine
@@ -210,7 +222,12 @@ def generate_with_steady_window(
     steady: dict[str, float] | None = None
     steps = 0
     while engine.has_unfinished_requests():
+        if trace is not None:
+            trace["batch"].append(float(min(engine.get_num_unfinished_requests(), max_num_seqs)))
+            t0 = clock()
         outputs.extend(out for out in engine.step() if out.finished)
+        if trace is not None:
+            trace["seconds"].append(clock() - t0)
         steps += 1
         if steady is not None:
             continue

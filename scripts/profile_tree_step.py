@@ -214,7 +214,7 @@ def run_one(method: str, batch_size: int, args: argparse.Namespace, work: Path) 
     from echo_vllm.runtime_env import cpu_runtime_env
 
     ns = argparse.Namespace(
-        methods=method, eagle3_depths=[args.eagle3_depth], depth=4, top_k=4, k_max=args.k_max if args.k_max == "auto" else int(args.k_max), warmup_steps=16,
+        methods=method, eagle3_depths=[args.eagle3_depth], depth=args.echo_depth, top_k=4, k_max=args.k_max if args.k_max == "auto" else int(args.k_max), warmup_steps=16,
         profile_steps=24,
         surplus_tail=True, dataset="humaneval", testbed=None, limit=args.limit, max_tokens=args.max_tokens,
         batch_sizes=[batch_size], rounds=1,
@@ -250,6 +250,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--eagle3-depth", type=int, default=4, help="the depth of the eagle3 method")
+    parser.add_argument("--echo-depth", type=int, default=4, help="the max draft depth of the echo methods")
     parser.add_argument("--k-max", default="auto", help="k_max of the echo method (echo-auto/echo-tree: auto)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--work", type=Path, default=None, help="keep each job's files (step log, profile) here")

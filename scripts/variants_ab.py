@@ -15,7 +15,8 @@ An experiment tool (what is worth changing), not the benchmark of record. An A/B
 scripts/ab_echo_settings.py did): `nospec echo-auto@4 echo-auto@4:defer_plain_head=false`.
 
 --step-trace times every engine step too (`offline.generate_with_steady_window`'s trace) and prints each
-variant's median step at full batch ("full_step_ms"); with an ECHO auto variant in the run, each static variant
+variant's median decode step at full batch ("full_step_ms", steps without prompt tokens), the tokens per such
+step and their tokens/s ("full_tokens_per_step", "full_decode_tok_s": speed without prefill or drain); with an ECHO auto variant in the run, each static variant
 (nospec, eagle3@d: B x d drafts verified every step) also gets the step time ECHO's fitted cost model predicts
 for it ("model_step_ms", from the first ECHO auto job's `echo_stats()["cost_model"]`): where the two part with
 the depth, the depth plan's hindsight misprices depth.
@@ -59,11 +60,29 @@ def _median_or_none(values: list[float | None]) -> float | None:
 
 
 def _full_step_ms(trace: dict[str, list[float]] | None, batch_size: int) -> float | None:
-    """Median ms of the steps that ran a full batch (None without a trace or such steps)."""
+    """Median ms of the decode steps (no prompt tokens) that ran a full batch (None without a trace or such steps).
+    Prompt tokens are left out because a speculative run admits requests one by one as they finish (many of its
+    steps carry a prefill) where a lockstep no-spec run admits a whole wave in one step."""
     if not trace:
         return None
-    full = [s for s, b in zip(trace["seconds"], trace["batch"]) if b >= batch_size]
+    prompt = trace.get("prompt") or [0.0] * len(trace["seconds"])
+    full = [s for s, b, p in zip(trace["seconds"], trace["batch"], prompt) if b >= batch_size and p == 0]
     return round(1000.0 * statistics.median(full), 2) if full else None
+
+
+def _full_decode(trace: dict[str, list[float]] | None, batch_size: int) -> tuple[float, float] | None:
+    """(tokens per step, tokens per second) over the full-batch decode steps (no prompt tokens) of a trace."""
+    if not trace or "generated" not in trace:
+        return None
+    kept = [
+        (s, g)
+        for s, b, p, g in zip(trace["seconds"], trace["batch"], trace["prompt"], trace["generated"])
+        if b >= batch_size and p == 0
+    ]
+    if not kept:
+        return None
+    seconds, tokens = sum(s for s, _ in kept), sum(g for _, g in kept)
+    return tokens / len(kept), tokens / seconds
 
 
 def _model_step_ms(runs: dict[str, list[dict[str, Any]]], variant: Any, batch_size: int) -> float | None:
@@ -142,6 +161,7 @@ def main() -> int:
                         "token_ids": out["token_ids"],
                         "stats": out.get("echo_stats") or {},
                         "full_step_ms": _full_step_ms(out.get("step_trace"), batch_size),
+                        "full_decode": _full_decode(out.get("step_trace"), batch_size),
                     }
                     runs[label].append(row)
                     print(
@@ -184,6 +204,9 @@ def main() -> int:
                     "mean_step_sum": mean("mean_step_sum"),
                     "ms_per_step": stats.get("ms_per_step"),
                     "full_step_ms": _median_or_none([x["full_step_ms"] for x in rows]),
+                    # Full-batch decode steps only: tokens per step and tokens per second (median over rounds).
+                    "full_tokens_per_step": _median_or_none([x["full_decode"][0] for x in rows if x["full_decode"]]),
+                    "full_decode_tok_s": _median_or_none([x["full_decode"][1] for x in rows if x["full_decode"]]),
                     "model_step_ms": _model_step_ms(runs, variants[label], batch_size),
                 }
                 results.append(row)

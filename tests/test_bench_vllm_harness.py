@@ -277,7 +277,10 @@ class FakeLLM:
         return finished
 
     def get_metrics(self):
-        return [SimpleNamespace(name="vllm:generation_tokens", value=float(self.generated))]
+        return [
+            SimpleNamespace(name="vllm:generation_tokens", value=float(self.generated)),
+            SimpleNamespace(name="vllm:prompt_tokens", value=3.0 * (len(self.lengths) - len(self.waiting))),
+        ]
 
 
 def test_steady_window_is_the_part_where_requests_wait_for_a_slot():
@@ -559,7 +562,9 @@ def test_step_trace_records_each_steps_seconds_and_batch():
 
     # 2 waves of 2 requests x 2 tokens, then one request of 3 alone at the end: batches 2, 2, 2, 2, 1 ... as run.
     llm = FakeLLM([2, 2, 2, 2, 3], batch=2)
-    trace: dict[str, list[float]] = {"seconds": [], "batch": []}
+    trace: dict[str, list[float]] = {"seconds": [], "batch": [], "prompt": [], "generated": []}
     generate_with_steady_window(llm, ["p"] * 5, None, 2, clock=lambda: llm.clock, trace=trace)
     assert trace["seconds"] == [1.0] * 7  # every step took one fake second
     assert trace["batch"] == [2.0, 2.0, 2.0, 2.0, 1.0, 1.0, 1.0]
+    assert trace["generated"] == [2.0, 2.0, 2.0, 2.0, 1.0, 1.0, 1.0]
+    assert trace["prompt"] == [6.0, 0.0, 6.0, 0.0, 3.0, 0.0, 0.0]  # 3 tokens per admitted prompt (the fake's)

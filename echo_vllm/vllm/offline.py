@@ -9,7 +9,8 @@ A job is a JSON object: {"model", "prompts": [str] | "prompt_token_ids": [[int]]
 "warmup_prompts": [str] | "warmup_prompt_token_ids": [[int]] (optional), "warmup_max_tokens" (default max_tokens),
 "echo_stats": bool (echo jobs: return the worker's `EchoProposer.echo_stats()`, via `LLM.collective_rpc`),
 "steady_window": bool (time the timed generate's steady window too: `generate_with_steady_window`),
-"step_trace": bool (with steady_window: each engine step's seconds and requests in flight, under "step_trace")}.
+"step_trace": bool (with steady_window: each engine step's seconds, requests in flight, prompt and generated
+tokens, under "step_trace")}.
 
 Warm-up (benchmarks): the warm-up prompts are generated once, untimed, in the same engine before the timed
 generate, with ignore_eos so that their length (and so the number of engine steps) is what the job asked for.
@@ -150,7 +151,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     started = time.time()
     prompts = _prompts(job, "prompt_token_ids", "prompts")
     steady = None
-    trace: dict[str, list[float]] | None = {"seconds": [], "batch": []} if job.get("step_trace") else None
+    trace: dict[str, list[float]] | None = (
+        {"seconds": [], "batch": [], "prompt": [], "generated": []} if job.get("step_trace") else None
+    )
     if job.get("steady_window"):
         outputs, steady = generate_with_steady_window(llm, prompts, params, int(kwargs["max_num_seqs"]), trace=trace)
     else:
@@ -193,6 +196,11 @@ def _generated_tokens(llm) -> float:
     return _counter(llm.get_metrics(), "vllm:generation_tokens")
 
 
+def _token_counts(llm) -> tuple[float, float]:
+    metrics = llm.get_metrics()
+    return _counter(metrics, "vllm:prompt_tokens"), _counter(metrics, "vllm:generation_tokens")
+
+
 def generate_with_steady_window(
     llm,
     prompts: list[Any],
@@ -211,9 +219,10 @@ def generate_with_steady_window(
     sees, ramp-up and drain included; the window is what a busy server sees. A lockstep no-spec run never drains;
     a speculative one finishes its last requests one by one, so the two can rank methods differently.
 
-    trace (optional): gets each step's wall seconds ("seconds") and the requests it could run ("batch": unfinished
-    requests before the step, at most max_num_seqs), e.g. to compare the step cost of static depths with ECHO's
-    cost model. Two clock reads per step.
+    trace (optional): gets each step's wall seconds ("seconds"), the requests it could run ("batch": unfinished
+    requests before the step, at most max_num_seqs) and the prompt and generated tokens it processed ("prompt",
+    "generated": deltas of vLLM's counters, read outside the timed step), e.g. to compare the decode steps of
+    static depths (no prompt tokens) with ECHO's cost model.
     """
     llm.enqueue(prompts, params, use_tqdm=False)
     engine = llm.llm_engine
@@ -221,6 +230,7 @@ def generate_with_steady_window(
     opened: tuple[float, float, int] | None = None  # (time, generated tokens, steps) when the window opened
     steady: dict[str, float] | None = None
     steps = 0
+    counts = _token_counts(llm) if trace is not None else (0.0, 0.0)
     while engine.has_unfinished_requests():
         if trace is not None:
             trace["batch"].append(float(min(engine.get_num_unfinished_requests(), max_num_seqs)))
@@ -228,6 +238,10 @@ def generate_with_steady_window(
         outputs.extend(out for out in engine.step() if out.finished)
         if trace is not None:
             trace["seconds"].append(clock() - t0)
+            now = _token_counts(llm)
+            trace["prompt"].append(now[0] - counts[0])
+            trace["generated"].append(now[1] - counts[1])
+            counts = now
         steps += 1
         if steady is not None:
             continue

@@ -19,7 +19,8 @@ variant's median decode step at full batch ("full_step_ms", steps without prompt
 step and their tokens/s ("full_tokens_per_step", "full_decode_tok_s": speed without prefill or drain); with an ECHO auto variant in the run, each static variant
 (nospec, eagle3@d: B x d drafts verified every step) also gets the step time ECHO's fitted cost model predicts
 for it ("model_step_ms", from the first ECHO auto job's `echo_stats()["cost_model"]`): where the two part with
-the depth, the depth plan's hindsight misprices depth.
+the depth, the depth plan's hindsight misprices depth. The trace reads vLLM's counters after every step, which
+adds to every variant's total time alike.
 """
 
 from __future__ import annotations

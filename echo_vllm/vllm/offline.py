@@ -222,7 +222,8 @@ def generate_with_steady_window(
     trace (optional): gets each step's wall seconds ("seconds"), the requests it could run ("batch": unfinished
     requests before the step, at most max_num_seqs) and the prompt and generated tokens it processed ("prompt",
     "generated": deltas of vLLM's counters, read outside the timed step), e.g. to compare the decode steps of
-    static depths (no prompt tokens) with ECHO's cost model.
+    static depths (no prompt tokens) with ECHO's cost model. The reads do count in the generate's total time:
+    compare the totals of traced runs with traced runs only.
     """
     llm.enqueue(prompts, params, use_tqdm=False)
     engine = llm.llm_engine

@@ -60,30 +60,29 @@ def _median_or_none(values: list[float | None]) -> float | None:
     return round(statistics.median(kept), 2) if kept else None
 
 
-def _full_step_ms(trace: dict[str, list[float]] | None, batch_size: int) -> float | None:
-    """Median ms of the decode steps (no prompt tokens) that ran a full batch (None without a trace or such steps).
-    Prompt tokens are left out because a speculative run admits requests one by one as they finish (many of its
-    steps carry a prefill) where a lockstep no-spec run admits a whole wave in one step."""
+def _full_decode_steps(trace: dict[str, list[float]] | None, batch_size: int) -> list[tuple[float, float]]:
+    """(seconds, generated tokens) of the decode steps (no prompt tokens) that ran a full batch. Prompt tokens are
+    left out because a speculative run admits requests one by one as they finish (many of its steps carry a
+    prefill) where a lockstep no-spec run admits a whole wave in one step."""
     if not trace:
-        return None
-    prompt = trace.get("prompt") or [0.0] * len(trace["seconds"])
-    full = [s for s, b, p in zip(trace["seconds"], trace["batch"], prompt) if b >= batch_size and p == 0]
-    return round(1000.0 * statistics.median(full), 2) if full else None
+        return []
+    rows = zip(trace["seconds"], trace["batch"], trace["prompt"], trace["generated"])
+    return [(s, g) for s, b, p, g in rows if b >= batch_size and p == 0]
+
+
+def _full_step_ms(trace: dict[str, list[float]] | None, batch_size: int) -> float | None:
+    """Median ms of the full-batch decode steps (None without a trace or such steps)."""
+    steps = _full_decode_steps(trace, batch_size)
+    return round(1000.0 * statistics.median(s for s, _ in steps), 2) if steps else None
 
 
 def _full_decode(trace: dict[str, list[float]] | None, batch_size: int) -> tuple[float, float] | None:
-    """(tokens per step, tokens per second) over the full-batch decode steps (no prompt tokens) of a trace."""
-    if not trace or "generated" not in trace:
+    """(tokens per step, tokens per second) over the full-batch decode steps."""
+    steps = _full_decode_steps(trace, batch_size)
+    if not steps:
         return None
-    kept = [
-        (s, g)
-        for s, b, p, g in zip(trace["seconds"], trace["batch"], trace["prompt"], trace["generated"])
-        if b >= batch_size and p == 0
-    ]
-    if not kept:
-        return None
-    seconds, tokens = sum(s for s, _ in kept), sum(g for _, g in kept)
-    return tokens / len(kept), tokens / seconds
+    seconds, tokens = sum(s for s, _ in steps), sum(g for _, g in steps)
+    return tokens / len(steps), tokens / seconds
 
 
 def _model_step_ms(runs: dict[str, list[dict[str, Any]]], variant: Any, batch_size: int) -> float | None:

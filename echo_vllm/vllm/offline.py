@@ -192,11 +192,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _generated_tokens(llm) -> float:
-    return _counter(llm.get_metrics(), "vllm:generation_tokens")
-
-
 def _token_counts(llm) -> tuple[float, float]:
+    """(prompt tokens, generated tokens) so far, from vLLM's counters."""
     metrics = llm.get_metrics()
     return _counter(metrics, "vllm:prompt_tokens"), _counter(metrics, "vllm:generation_tokens")
 
@@ -248,11 +245,11 @@ def generate_with_steady_window(
             continue
         waiting = engine.get_num_unfinished_requests() > max_num_seqs
         if opened is None and waiting:
-            opened = (clock(), _generated_tokens(llm), steps)
+            opened = (clock(), _token_counts(llm)[1], steps)
         elif opened is not None and not waiting:
             steady = {
                 "seconds": clock() - opened[0],
-                "tokens": _generated_tokens(llm) - opened[1],
+                "tokens": _token_counts(llm)[1] - opened[1],
                 "steps": float(steps - opened[2]),
             }
     return sorted(outputs, key=lambda out: int(out.request_id)), steady

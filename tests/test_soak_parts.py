@@ -236,3 +236,85 @@ def test_server_outlives_the_clients_idle_connections(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5")  # vLLM's default, equal to httpx's default expiry
     env = server_env(SoakConfig(model=tmp_path, head=tmp_path, out_dir=tmp_path))
     assert float(env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"]) == SERVER_KEEPALIVE_S >= 10 * CLIENT_KEEPALIVE_S
+
+
+class _ResettingServer:
+    """A loopback HTTP/1.1 server that answers completions, resetting (RST, no response byte) the requests whose
+    arrival index is in `reset_before`, and resetting after the status line those in `reset_after`."""
+
+    BODY = b'{"choices": [{"index": 0, "text": "a", "finish_reason": "length"}]}'
+
+    def __init__(self, reset_before=(), reset_after=()):
+        self.reset_before, self.reset_after = set(reset_before), set(reset_after)
+        self.arrivals = 0
+
+    @staticmethod
+    def _reset(writer) -> None:
+        import socket
+        import struct
+
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()
+
+    async def handle(self, reader, writer) -> None:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n") if not reader.at_eof() else b""
+            if not head:
+                return writer.close()
+            length = next(
+                int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+            )
+            await reader.readexactly(length)
+            i, self.arrivals = self.arrivals, self.arrivals + 1
+            if i in self.reset_before:
+                return self._reset(writer)
+            status = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            if i in self.reset_after:
+                writer.write(status + b"content-length: %d\r\n\r\n" % len(self.BODY) + self.BODY[:5])
+                await writer.drain()
+                return self._reset(writer)
+            writer.write(status + b"content-length: %d\r\n\r\n" % len(self.BODY) + self.BODY)
+            await writer.drain()
+
+    def run(self, n_requests: int, concurrency: int = 1):
+        import asyncio
+
+        from echo_vllm.soak.client import run_traffic
+        from echo_vllm.soak.traffic import COMPLETIONS, RequestSpec
+
+        specs = [
+            RequestSpec(index=k, endpoint=COMPLETIONS, body={"prompt": "x", "max_tokens": 1, "temperature": 0})
+            for k in range(n_requests)
+        ]
+
+        async def main():
+            server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
+            port = server.sockets[0].getsockname()[1]
+            async with server:
+                return await run_traffic(
+                    f"http://127.0.0.1:{port}", specs, concurrency=concurrency, duration_s=None, request_timeout_s=10
+                )
+
+        return asyncio.run(main())
+
+
+def test_a_reset_before_the_response_is_retried_once_and_counted():
+    """A connection reset before any response byte (the keep-alive race class) is retried once, as OpenAI's client
+    does, and shows in the figures; it is no error. A reused connection and a fresh one both qualify."""
+    run = _ResettingServer(reset_before={0, 3}).run(4)
+    assert [r.outcome for r in run.results] == [COMPLETED] * 4
+    assert [r.retries for r in run.results] == [1, 0, 1, 0]
+    assert "ConnectionResetError" in run.results[0].retried[0]
+    figures = traffic_figures(run.results, run.not_sent, run.wall_s)
+    assert figures["connection_retries"] == 2 and figures["errors"] == 0
+    assert len(figures["connection_retried"]) == 2
+
+
+def test_a_second_reset_or_one_after_the_status_line_is_an_error():
+    twice = _ResettingServer(reset_before={0, 1}).run(1)
+    (r,) = twice.results
+    assert r.outcome == ERROR and r.retries == 1 and r.error == "ReadError"
+    assert "ConnectionResetError" in r.detail  # the cause, not httpx's empty message
+    late = _ResettingServer(reset_after={0}).run(2, concurrency=1)
+    assert [r.outcome for r in late.results] == [ERROR, COMPLETED]
+    assert late.results[0].retries == 0 and late.results[0].status == 200

@@ -253,12 +253,18 @@ def _error_line(result: RequestResult) -> str:
 
 def build_checks(cfg: SoakConfig, echo: EchoPhase, nospec: NospecPhase) -> list[ck.Check]:
     warm_errors = [r for r in echo.warmup.results if r.outcome == ERROR]
+    warm_retried = [r for r in echo.warmup.results if r.retries]
     checks = [
         ck.Check(
             "warm-up burst without errors",
             not warm_errors,
             f"{len(warm_errors)} errors in {len(echo.warmup.results)} requests"
-            + (f" (first: {_error_line(warm_errors[0])})" if warm_errors else ""),
+            + (f" (first: {_error_line(warm_errors[0])})" if warm_errors else "")
+            + (
+                f"; {len(warm_retried)} retried a connection error (first: {warm_retried[0].retried[0]})"
+                if warm_retried
+                else ""
+            ),
         ),
         ck.check_health(*echo.health),
         ck.check_accounting(echo.soak.results),

@@ -87,6 +87,12 @@ class EchoSettings(BaseModel):
         description="k_max 'auto': every this many steps draft at full depth and verify every draft, so that "
         "acceptance statistics and every depth's worth stay measured when the budget has shrunk (0 = never).",
     )
+    plain_hindsight: bool = Field(
+        default=True,
+        description="k_max 'auto': a step that verifies nothing still updates the depth plan, every depth valued "
+        "from the measured continuation rates (as deeper-than-drafted depths are); false leaves plain steps out, "
+        "so that only probes can move a plan that chose plain decoding.",
+    )
     defer_plain_head: bool = Field(
         default=True,
         description="vLLM: on a step that drafts nothing (k_max 'auto' chose plain decoding), skip the draft "

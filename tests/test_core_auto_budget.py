@@ -481,3 +481,80 @@ def test_at_batch_one_a_few_rejections_do_not_put_the_plan_to_plain_decoding():
                 accepted += 1
             budget.observe_verification(torch.tensor([accepted]), torch.arange(1, depth + 1).unsqueeze(0), 1, depth)
     assert plain_steps / steps < 0.02
+
+
+def _steps_to_leave_plain(plain_hindsight: bool, seed: int) -> tuple[float, int | None]:
+    """Batch 64, a latency-flat-then-linear step (depth 1 pays 1.2x at continuation 0.8, loses at 0.05): 150 steps
+    of hard text (0.05) put the plan to plain decoding, then the text turns easy (0.8). Returns (the plain share of
+    non-probe steps in steps 100-149, the steps after the switch until a non-probe step drafts again)."""
+    import random
+
+    from echo_vllm.core.cost_model import CostModel
+    from echo_vllm.core.time_budget import TimeAwareBudget
+
+    cost = CostModel((1.0, 64.0, 128.0, 256.0, 512.0), (0.02, 0.064, 0.09, 0.15, 0.28), 0.0, (0, 0, 0, 1e-4), 0.0, 4)
+    batch, switch = 64, 150
+    rng = random.Random(seed)
+    budget = TimeAwareBudget(
+        4, profile_steps=4, probe_interval=16, surplus_tail=True, profile_path=None, plain_hindsight=plain_hindsight
+    )
+    budget.cost_model = cost
+    plans = []
+    for t in range(switch + 100):
+        p = 0.05 if t < switch else 0.8
+        plan = budget.plan(batch, 1, False, 0)
+        budget.observe_selection(plan.depth * batch)
+        plans.append(plan)
+        if plan.depth == 0:
+            budget.observe_plain(batch)  # what the proposer reports for a step that verified nothing
+            continue
+        accepted = []
+        for _ in range(batch):
+            a = 0
+            while a < plan.depth and rng.random() < p:
+                a += 1
+            accepted.append(a)
+        verified = torch.arange(1, plan.depth + 1).expand(batch, plan.depth)
+        budget.observe_verification(torch.tensor(accepted), verified, batch, plan.depth)
+    hard = [q for q in plans[100:switch] if not q.probe]
+    left = next((t - switch for t in range(switch, len(plans)) if plans[t].depth > 0 and not plans[t].probe), None)
+    return sum(q.depth == 0 for q in hard) / len(hard), left
+
+
+def test_plain_steps_update_the_depth_plan_so_it_leaves_plain_decoding_when_drafting_pays_again():
+    """A step that verifies nothing values every depth from the continuation rates (as deeper-than-drafted depths
+    are): when probes find the text easy again, the plan leaves plain decoding after about one probe instead of
+    waiting for enough probes to move the average alone; on hard text it stays plain exactly as before."""
+    for seed in range(3):
+        plain_share_on, left_on = _steps_to_leave_plain(True, seed)
+        plain_share_off, left_off = _steps_to_leave_plain(False, seed)
+        assert plain_share_on == plain_share_off == 1.0
+        assert left_on is not None and left_on <= 32  # within two probe intervals
+        assert left_off is None or left_off > 48
+
+
+def test_a_step_that_verified_nothing_is_a_plain_step_in_hindsight():
+    """observe_verification with nothing drafted, or drafted but nothing verified, is observe_plain (imputed
+    levels), not a step that paid for drafts and got nothing."""
+    from echo_vllm.core.cost_model import CostModel
+    from echo_vllm.core.time_budget import TimeAwareBudget
+
+    cost = CostModel((1.0, 2.0, 4.0, 8.0), (1.0, 1.0, 1.0, 1.0), 0.0, (0.0, 0.0, 0.1, 0.0), 0.0, 4)
+
+    def fresh(**kw):
+        b = TimeAwareBudget(3, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None, **kw)
+        b.cost_model = cost
+        return b
+
+    plain = fresh()
+    plain.observe_plain(2)
+    cut = fresh()
+    cut.observe_verification(torch.tensor([0, 0]), torch.zeros((2, 3), dtype=torch.long), batch=2, drafted_depth=3)
+    nothing = fresh()
+    nothing.observe_verification(torch.tensor([0, 0]), torch.zeros((2, 0), dtype=torch.long), batch=2, drafted_depth=0)
+    assert plain.controller.value == cut.controller.value == nothing.controller.value
+    # the pooled prior continuation 0.5 per depth: level d emits 2 (1/2 + ... + 1/2^d) drafts for 0.1 d seconds
+    assert plain.controller.value == pytest.approx([1.0, 3 / 1.1 / 2, 3.5 / 1.2 / 2, 3.75 / 1.3 / 2])
+    off = fresh(plain_hindsight=False)
+    off.observe_plain(2)
+    assert off.controller.value == [None] * 4

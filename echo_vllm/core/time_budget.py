@@ -55,6 +55,7 @@ class TimeAwareBudget:
         probe_interval: int,
         surplus_tail: bool,
         profile_path: Path | None,
+        plain_hindsight: bool = True,
         device: Any = "cpu",
         is_writer: bool = True,
         share: Share = _no_share,
@@ -63,6 +64,7 @@ class TimeAwareBudget:
         self.profile_steps = profile_steps
         self.surplus_tail = surplus_tail
         self.profile_path = profile_path
+        self.plain_hindsight = plain_hindsight
         self.is_writer = is_writer
         self.share = share
         self.controller = DraftController(max_depth, probe_interval=probe_interval)
@@ -188,8 +190,10 @@ class TimeAwareBudget:
         deeper levels were measured only by probes (one step in 16, an average over one noisy step each) and the
         plan sat at a shallow depth between probes (batch 1 on the testbed: 2.3 where depth 4 is best)."""
         cost = self.cost_model
-        if cost is None or drafted_depth < 1 or batch < 1:
+        if cost is None or batch < 1:
             return
+        if drafted_depth < 1:
+            return self.observe_plain(batch)
         d_max = self.max_depth
         drafted = min(drafted_depth, d_max)
         levels = torch.arange(drafted + 1, device=accepted.device)
@@ -210,11 +214,40 @@ class TimeAwareBudget:
         emitted_h, nodes_h = host[:n], host[n : 2 * n]
         tried_h, passed_h = host[2 * n : 2 * n + drafted], host[2 * n + drafted : 2 * n + 2 * drafted]
         verified_to_end, accepted_to_end = host[-2], host[-1]
+        if nodes_h[drafted] == 0:  # drafted, but the budget verified nothing: a plain step
+            return self.observe_plain(batch)
         self._count_continuation(tried_h, passed_h)
+        self._observe_levels(batch, emitted_h, nodes_h, verified_to_end, accepted_to_end)
+
+    def observe_plain(self, batch: int) -> None:
+        """A step of `batch` requests that verified nothing (the plan or the budget chose plain decoding), in
+        hindsight: every depth imputed from the continuation rates, as if each request had reached depth 0 and
+        accepted it (`observe_verification` with nothing drafted). Without this a plain step adds nothing to the
+        depth plan, so only probes can lift it out of plain decoding (batch 64 on the testbed with one probe in 256
+        steps: plain on most steps where depth 1 paid 1.2x). The continuation rates move only with verified steps
+        and probes, so a plain stretch tracks what the probes last measured instead of freezing the average."""
+        if self.cost_model is None or batch < 1 or not self.plain_hindsight:
+            return
+        self._observe_levels(batch, [0.0], [0.0], float(batch), float(batch))
+
+    def _observe_levels(
+        self,
+        batch: int,
+        emitted_h: list[float],
+        nodes_h: list[float],
+        verified_to_end: float,
+        accepted_to_end: float,
+    ) -> None:
+        """Level d = 0..D: the measured levels (emitted drafts and verified nodes per cut depth, up to the drafted
+        depth), the deeper ones imputed; each priced by the cost model, relative to the step's plain rate."""
+        cost = self.cost_model
+        assert cost is not None
+        drafted = len(emitted_h) - 1
+        emitted_h, nodes_h = list(emitted_h), list(nodes_h)
         rates = self._continuation_rates()
         expected_extra = 0.0
         reach_p = 1.0
-        for d in range(drafted + 1, d_max + 1):  # imputed levels
+        for d in range(drafted + 1, self.max_depth + 1):  # imputed levels
             reach_p *= rates[d - 1]
             expected_extra += reach_p
             emitted_h.append(emitted_h[drafted] + accepted_to_end * expected_extra)

@@ -206,6 +206,7 @@ class HFEngine:
                 self.max_depth,
                 profile_steps=settings.profile_steps,
                 probe_interval=settings.probe_interval,
+                plain_hindsight=settings.plain_hindsight,
                 surplus_tail=False,  # drafting stops at a closed gate here: there are no tails to add
                 profile_path=Path(path).expanduser() if path else None,
             )

@@ -216,6 +216,7 @@ class EchoProposer(EagleProposer):
                 self.max_depth,
                 profile_steps=s.profile_steps,
                 probe_interval=s.probe_interval,
+                plain_hindsight=s.plain_hindsight,
                 surplus_tail=s.surplus_tail,
                 profile_path=profile_path,
                 device=device,
@@ -829,6 +830,8 @@ class EchoProposer(EagleProposer):
                 # A predicted step that verified nothing (the budget chose plain decoding) realised 0 accepted
                 # drafts: counted, so that predicted and realised per step average over the same steps.
                 self.stats.record_realised(torch.zeros(0, dtype=torch.long))
+                if self.budget is not None:
+                    self.budget.observe_plain(len(pending.req_ids))
             return
         cur, old, verified = rows
         if isinstance(sampled_token_ids, torch.Tensor):

@@ -182,6 +182,14 @@ def test_speculative_config_is_the_mounted_configmap_file(rendered, name):
     assert settings.k_max >= settings.top_k
 
 
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_server_keeps_idle_connections_longer_than_a_proxy(rendered, name):
+    """vLLM's 5 s keep-alive is shorter than any proxy's idle timeout (60 s for ingress-nginx and AWS ALB): a proxy
+    reusing a connection the server is closing gets a reset, so every serving container raises it."""
+    env = {e["name"]: e.get("value") for e in _serving_container(rendered[name]).get("env", [])}
+    assert int(env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"]) > 60
+
+
 def test_bigger_models_get_bigger_budgets(rendered):
     budgets = [
         _configmap_echo(rendered[f"overlays/{n}"])[1]["echo"]["k_max"] for n in ("llama-8b", "llama-70b", "qwen3-235b")

@@ -350,6 +350,7 @@ class HFEngine:
                 started = time.perf_counter()
                 emitted = self._ar_step(pending, temperature, generator)
                 self.budget.observe_selection(0)
+                self.budget.observe_plain(1)  # the plan's hindsight still moves (no-op before the cost model)
                 self.metrics.record_plan(0)
                 self._add_sample(1, 0, started, self._ar_split)
                 return emitted

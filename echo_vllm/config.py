@@ -87,6 +87,13 @@ class EchoSettings(BaseModel):
         description="k_max 'auto': every this many steps draft at full depth and verify every draft, so that "
         "acceptance statistics and every depth's worth stay measured when the budget has shrunk (0 = never).",
     )
+    probe_load_scale: int = Field(
+        default=0,
+        ge=0,
+        description="k_max 'auto': when > 0, probes come every probe_interval x ceil(B / probe_load_scale) steps "
+        "at batch B, so that the request-steps probed per step stay the same at every load (a probe verifies B x "
+        "depth drafts); 0 = every probe_interval steps at any load.",
+    )
     plain_hindsight: bool = Field(
         default=True,
         description="k_max 'auto': a step that verifies nothing still updates the depth plan, every depth valued "

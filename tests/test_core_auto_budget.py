@@ -226,6 +226,27 @@ def test_draft_controller_drafts_to_the_depth_worth_most_and_probes():
     assert probe.probe and probe.depth == 3 and probe.k_cap == 24
 
 
+def _probe_steps(control: DraftController, batches: list[int]) -> list[int]:
+    steps = []
+    for t, batch in enumerate(batches):
+        if control.plan(batch, 4 * batch).probe:
+            steps.append(t)
+        control.observe(batch)
+    return steps
+
+
+def test_probes_come_every_interval_or_scaled_by_the_load():
+    """probe_load_scale 0: every probe_interval steps at any batch; S > 0: every probe_interval x ceil(B / S)
+    steps, following the batch as it changes (counted from the last probe)."""
+    assert _probe_steps(DraftController(3, probe_interval=8), [64] * 40) == [7, 15, 23, 31, 39]
+    assert _probe_steps(DraftController(3, probe_interval=8, probe_load_scale=4), [4] * 20) == [7, 15]
+    assert _probe_steps(DraftController(3, probe_interval=8, probe_load_scale=4), [16] * 70) == [31, 63]
+    # 20 steps at batch 16 (no probe yet: 32 are due), then batch 1: due at once, then every 8 steps
+    mixed = [16] * 20 + [1] * 20
+    assert _probe_steps(DraftController(3, probe_interval=8, probe_load_scale=4), mixed) == [20, 28, 36]
+    assert DraftController(3, probe_interval=0, probe_load_scale=4).probe_every(64) == 0
+
+
 def test_load_slots_keep_the_usual_batch_sizes_inside():
     from echo_vllm.core.auto_budget import load_bucket
 

@@ -281,11 +281,14 @@ class DraftController:
         *,
         window: int = 8,
         probe_interval: int = 16,
+        probe_load_scale: int = 0,
         alpha: float = 0.2,
         request_weight: float = REQUEST_WEIGHT,
     ) -> None:
         self.max_depth = max_depth
         self.probe_interval = probe_interval
+        self.probe_load_scale = probe_load_scale
+        self._last_probe = -1  # the step count at the last probe
         self.alpha = alpha
         self.request_weight = request_weight
         self._memory: dict[int, LevelMemory] = {}  # per load slot
@@ -312,10 +315,23 @@ class DraftController:
         memory = self._memory.get(self._slot)
         return memory.measured_requests if memory is not None else 0
 
+    def probe_every(self, batch: int) -> int:
+        """Steps between probes at `batch`: `probe_interval`, or with `probe_load_scale` S > 0 that times
+        ceil(B / S), so that the request-steps a probe adds per step stay the same at every load (a probe drafts
+        B x D nodes and verifies them all, a cost that grows with B where verification is linear in tokens)."""
+        if self.probe_interval <= 0:
+            return 0
+        if self.probe_load_scale <= 0:
+            return self.probe_interval
+        return self.probe_interval * max(1, math.ceil(batch / self.probe_load_scale))
+
     def plan(self, batch: int, ceiling: int) -> DraftPlan:
         """ceiling: the most candidates this step can have (B x nodes per request)."""
         self._slot = load_bucket(batch)
-        probe = self.probe_interval > 0 and self.steps % self.probe_interval == self.probe_interval - 1
+        interval = self.probe_every(batch)
+        probe = interval > 0 and self.steps - self._last_probe >= interval
+        if probe:
+            self._last_probe = self.steps
         memory = self._memory_of(self._slot)
         if probe or any(v is None for v in memory.value) or memory.measured_requests < MIN_MEASURED_REQUESTS:
             return DraftPlan(self.max_depth, ceiling, probe)

@@ -56,6 +56,7 @@ class TimeAwareBudget:
         surplus_tail: bool,
         profile_path: Path | None,
         plain_hindsight: bool = True,
+        probe_load_scale: int = 0,
         device: Any = "cpu",
         is_writer: bool = True,
         share: Share = _no_share,
@@ -67,7 +68,7 @@ class TimeAwareBudget:
         self.plain_hindsight = plain_hindsight
         self.is_writer = is_writer
         self.share = share
-        self.controller = DraftController(max_depth, probe_interval=probe_interval)
+        self.controller = DraftController(max_depth, probe_interval=probe_interval, probe_load_scale=probe_load_scale)
         self.acceptance = AcceptanceModel(max_depth, device=device)
         # Trees: the nodes off the spine, learned online from the tree steps (not saved: the prior is the node's own
         # path confidence, which a few hundred verified siblings correct).

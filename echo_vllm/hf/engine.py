@@ -207,6 +207,7 @@ class HFEngine:
                 profile_steps=settings.profile_steps,
                 probe_interval=settings.probe_interval,
                 plain_hindsight=settings.plain_hindsight,
+                probe_load_scale=settings.probe_load_scale,
                 surplus_tail=False,  # drafting stops at a closed gate here: there are no tails to add
                 profile_path=Path(path).expanduser() if path else None,
             )

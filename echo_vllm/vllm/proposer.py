@@ -217,6 +217,7 @@ class EchoProposer(EagleProposer):
                 profile_steps=s.profile_steps,
                 probe_interval=s.probe_interval,
                 plain_hindsight=s.plain_hindsight,
+                probe_load_scale=s.probe_load_scale,
                 surplus_tail=s.surplus_tail,
                 profile_path=profile_path,
                 device=device,

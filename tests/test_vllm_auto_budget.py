@@ -106,17 +106,51 @@ def test_a_predicted_plain_step_counts_as_realised_zero():
     """predicted and realised accepted drafts per step must average over the same steps: a step whose budget chose
     plain decoding (predicted 0) verifies nothing, and vLLM then passes no spec metadata at all. (Before, such
     steps were left out of 'realised' only, which made realised/step look 30 % above predicted/step.)"""
+    from echo_vllm.core.cost_model import CostModel
     from echo_vllm.core.metrics import EchoMetrics
+    from echo_vllm.core.time_budget import TimeAwareBudget
     from echo_vllm.vllm.proposer import EchoProposer, PendingVerification
 
     proposer = object.__new__(EchoProposer)  # only the feedback's state: no engine
     proposer.stats = EchoMetrics(DEPTH)
+    proposer.calibration, proposer.echo_settings = object(), types.SimpleNamespace(warmup_steps=0)
+    proposer.budget = TimeAwareBudget(DEPTH, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None)
+    proposer.budget.cost_model = CostModel((1.0, 2.0, 4.0), (1.0, 1.0, 1.0), 0.0, (0.0, 0.0, 0.1, 0.0), 0.0, 4)
     for metadata in (None, types.SimpleNamespace(num_draft_tokens=[0, 0])):
         proposer.stats.record_plan(DEPTH, torch.zeros((), dtype=torch.float64))
         proposer._pending = PendingVerification(["a", "b"], torch.zeros(2, DEPTH), True, DEPTH)
         proposer._observe(["a", "b"], None, metadata)
     assert proposer.stats.predicted_steps == proposer.stats.realised_steps == 2
     assert proposer.stats.summary()["realised_accepted_per_step"] == 0.0
+    # ... and the depth plan saw both as plain steps of 2 requests (every depth imputed, none left unmeasured)
+    assert proposer.budget.controller.measured_requests == 4
+    assert None not in proposer.budget.controller.value
+
+
+def test_a_planned_plain_step_feeds_the_depth_plan():
+    """A step planned plain drafts nothing and leaves nothing pending, so its hindsight is taken at selection; only
+    in the auto phase (warm-up and profile steps follow their own sweeps)."""
+    from echo_vllm.core.cost_model import CostModel
+    from echo_vllm.core.metrics import EchoMetrics
+    from echo_vllm.core.time_budget import TimeAwareBudget
+    from echo_vllm.vllm.proposer import EchoProposer
+
+    def plain_step(calibrated: bool) -> TimeAwareBudget:
+        proposer = object.__new__(EchoProposer)
+        proposer.stats, proposer._step_log = EchoMetrics(DEPTH), False
+        proposer.prom = types.SimpleNamespace(on_step=lambda *args: None)
+        proposer.calibration = object() if calibrated else None
+        proposer.echo_settings = types.SimpleNamespace(warmup_steps=8)
+        proposer.budget = TimeAwareBudget(
+            DEPTH, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None
+        )
+        proposer.budget.cost_model = CostModel((1.0, 2.0, 4.0), (1.0, 1.0, 1.0), 0.0, (0.0, 0.0, 0.1, 0.0), 0.0, 4)
+        assert proposer._select(torch.empty((3, 0), dtype=torch.long)) == [[], [], []]
+        assert proposer._pending is None
+        return proposer.budget
+
+    assert plain_step(calibrated=True).controller.measured_requests == 3
+    assert plain_step(calibrated=False).controller.measured_requests == 0  # warm-up: no hindsight
 
 
 def test_fused_chain_step_and_its_torch_twin_select_alike_end_to_end(prompts, tmp_path):

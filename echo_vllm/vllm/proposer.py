@@ -628,6 +628,7 @@ class EchoProposer(EagleProposer):
             self.stats.record_plan(0)
             if self.budget is not None:
                 self.budget.observe_selection(0)
+            self._observe_plain_step(batch)  # nothing to verify: its hindsight needs no feedback
             if self._step_log and batch:  # plain steps belong to the record too (the oracle bound counts them)
                 self._write_step_log([0] * batch, batch, [[] for _ in range(batch)])
             if batch:  # a budget-0 step on /metrics too (K_i = 0 for every request)
@@ -831,8 +832,7 @@ class EchoProposer(EagleProposer):
                 # A predicted step that verified nothing (the budget chose plain decoding) realised 0 accepted
                 # drafts: counted, so that predicted and realised per step average over the same steps.
                 self.stats.record_realised(torch.zeros(0, dtype=torch.long))
-                if self.budget is not None:
-                    self.budget.observe_plain(len(pending.req_ids))
+                self._observe_plain_step(len(pending.req_ids))
             return
         cur, old, verified = rows
         if isinstance(sampled_token_ids, torch.Tensor):
@@ -872,6 +872,12 @@ class EchoProposer(EagleProposer):
             self.warmup_recorded += 1
             if self.warmup_recorded >= self.echo_settings.warmup_steps:
                 self._finish_warmup()
+
+    def _observe_plain_step(self, batch: int) -> None:
+        """A step that verifies nothing, into the depth plan's hindsight (`TimeAwareBudget.observe_plain`); only in
+        the auto phase, as for verified steps (warm-up and profile steps follow their own sweeps)."""
+        if batch > 0 and self.budget is not None and self.budget.phase(self.warming_up) == "auto":
+            self.budget.observe_plain(batch)
 
     @staticmethod
     def _verified_rows(

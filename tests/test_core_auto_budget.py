@@ -496,6 +496,7 @@ def test_at_batch_one_a_few_rejections_do_not_put_the_plan_to_plain_decoding():
             steps += 1
             if depth == 0:
                 plain_steps += 1
+                budget.observe_plain(1)  # as the engines do
                 continue
             accepted = 0
             while accepted < depth and rng.random() < p:

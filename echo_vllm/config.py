@@ -95,10 +95,10 @@ class EchoSettings(BaseModel):
         "depth drafts); 0 = every probe_interval steps at any load.",
     )
     plain_hindsight: bool = Field(
-        default=True,
+        default=False,
         description="k_max 'auto': a step that verifies nothing still updates the depth plan, every depth valued "
-        "from the measured continuation rates (as deeper-than-drafted depths are); false leaves plain steps out, "
-        "so that only probes can move a plan that chose plain decoding.",
+        "from the measured continuation rates (as deeper-than-drafted depths are); false (the default: no gain "
+        "measured, docs/benchmarks.md) leaves plain steps out, so that only probes move a plan at plain decoding.",
     )
     defer_plain_head: bool = Field(
         default=True,

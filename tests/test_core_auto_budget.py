@@ -563,8 +563,10 @@ def test_a_step_that_verified_nothing_is_a_plain_step_in_hindsight():
 
     cost = CostModel((1.0, 2.0, 4.0, 8.0), (1.0, 1.0, 1.0, 1.0), 0.0, (0.0, 0.0, 0.1, 0.0), 0.0, 4)
 
-    def fresh(**kw):
-        b = TimeAwareBudget(3, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None, **kw)
+    def fresh(plain_hindsight=True):
+        b = TimeAwareBudget(
+            3, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None, plain_hindsight=plain_hindsight
+        )
         b.cost_model = cost
         return b
 

@@ -114,7 +114,9 @@ def test_a_predicted_plain_step_counts_as_realised_zero():
     proposer = object.__new__(EchoProposer)  # only the feedback's state: no engine
     proposer.stats = EchoMetrics(DEPTH)
     proposer.calibration, proposer.echo_settings = object(), types.SimpleNamespace(warmup_steps=0)
-    proposer.budget = TimeAwareBudget(DEPTH, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None)
+    proposer.budget = TimeAwareBudget(
+        DEPTH, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None, plain_hindsight=True
+    )
     proposer.budget.cost_model = CostModel((1.0, 2.0, 4.0), (1.0, 1.0, 1.0), 0.0, (0.0, 0.0, 0.1, 0.0), 0.0, 4)
     for metadata in (None, types.SimpleNamespace(num_draft_tokens=[0, 0])):
         proposer.stats.record_plan(DEPTH, torch.zeros((), dtype=torch.float64))
@@ -142,7 +144,7 @@ def test_a_planned_plain_step_feeds_the_depth_plan():
         proposer.calibration = object() if calibrated else None
         proposer.echo_settings = types.SimpleNamespace(warmup_steps=8)
         proposer.budget = TimeAwareBudget(
-            DEPTH, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None
+            DEPTH, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None, plain_hindsight=True
         )
         proposer.budget.cost_model = CostModel((1.0, 2.0, 4.0), (1.0, 1.0, 1.0), 0.0, (0.0, 0.0, 0.1, 0.0), 0.0, 4)
         assert proposer._select(torch.empty((3, 0), dtype=torch.long)) == [[], [], []]

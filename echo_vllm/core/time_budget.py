@@ -55,7 +55,7 @@ class TimeAwareBudget:
         probe_interval: int,
         surplus_tail: bool,
         profile_path: Path | None,
-        plain_hindsight: bool = True,
+        plain_hindsight: bool = False,
         probe_load_scale: int = 0,
         device: Any = "cpu",
         is_writer: bool = True,

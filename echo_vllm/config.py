@@ -94,6 +94,14 @@ class EchoSettings(BaseModel):
         "at batch B, so that the request-steps probed per step stay the same at every load (a probe verifies B x "
         "depth drafts); 0 = every probe_interval steps at any load.",
     )
+    probe_requests: int = Field(
+        default=0,
+        ge=0,
+        description="k_max 'auto', vLLM chains: when > 0 and the batch is larger, a probe verifies the full drafted "
+        "chain of only this many requests (a different slice of the batch each probe) and the budget's choice for "
+        "the rest; 0 = every request's full chain (a probe then verifies B x depth drafts, a cost that grows with "
+        "B where verification is linear in tokens).",
+    )
     plain_hindsight: bool = Field(
         default=False,
         description="k_max 'auto': a step that verifies nothing still updates the depth plan, every depth valued "

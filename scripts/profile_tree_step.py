@@ -24,6 +24,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import torch
+
 # (label, module, attribute path): what gets a timer. Class methods are wrapped on the class that defines them.
 TIMED = [
     ("execute_model", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner.execute_model"),
@@ -110,6 +112,26 @@ def install_timers() -> list[str]:
     return missing
 
 
+_FORWARDS: list[tuple[int, float]] = []  # per target forward: (tokens, seconds)
+
+
+def _record_forwards() -> None:
+    """(tokens, seconds) of every target forward: compares methods' forward cost at equal token counts."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    forward = GPUModelRunner._model_forward
+
+    def recorded(self, input_ids=None, positions=None, *a, **k):
+        start = time.perf_counter()
+        try:
+            return forward(self, input_ids, positions, *a, **k)
+        finally:
+            tokens = positions.shape[-1] if isinstance(positions, torch.Tensor) else -1
+            _FORWARDS.append((int(tokens), time.perf_counter() - start))
+
+    GPUModelRunner._model_forward = recorded
+
+
 _STEP: dict[str, Any] = {"tree": False, "drafted_tree": False}
 _STEPS: list[tuple[bool, bool, float]] = []  # per engine step: (verified a tree, drafted a tree, seconds)
 
@@ -166,6 +188,7 @@ def child() -> int:
         if not all_steps:
             _classify_steps()
             missing.extend(install_timers())
+        _record_forwards()
         if cprofile_top:  # function-level view of the timed generate (the engine core runs in this process)
             import cProfile
 
@@ -192,6 +215,7 @@ def child() -> int:
     report = {
         "steps": steps,
         "step_kinds": kinds,
+        "forwards": _FORWARDS,
         "generate_seconds": result["generate_seconds"],
         "tok_s": result["num_generated"] / result["generate_seconds"],
         "tokens_per_step": result["num_generated"] / steps,
@@ -222,6 +246,14 @@ def run_one(method: str, batch_size: int, args: argparse.Namespace, work: Path) 
     plan = plan_from_args(ns)
     work.mkdir(parents=True, exist_ok=True)
     job, env_extra = build_job(plan, plan.variants[-1], batch_size, work, profile_key=True)
+    if args.echo:  # KEY=VALUE settings into the job's echo block (JSON values)
+        echo = job["speculative_config"]["echo"]
+        for item in args.echo:
+            key, _, value = item.partition("=")
+            try:
+                echo[key] = json.loads(value)
+            except json.JSONDecodeError:
+                echo[key] = value
     env = cpu_runtime_env(os.environ, in_process=True)
     env.update(env_extra)
     env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
@@ -253,6 +285,7 @@ def main() -> int:
     parser.add_argument("--echo-depth", type=int, default=4, help="the max draft depth of the echo methods")
     parser.add_argument("--k-max", default="auto", help="k_max of the echo method (echo-auto/echo-tree: auto)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--echo", action="append", default=[], help="KEY=VALUE into the echo settings (repeatable)")
     parser.add_argument("--work", type=Path, default=None, help="keep each job's files (step log, profile) here")
     parser.add_argument(
         "--cprofile", type=int, default=0, help="also print the N functions with the most own time (cProfile)"

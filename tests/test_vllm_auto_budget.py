@@ -58,7 +58,9 @@ def test_auto_greedy_identical_through_every_phase(prompts, tmp_path, max_num_se
     used = prompts[: 16 if max_num_seqs == 1 else 64]
     baseline = _run(used, max_num_seqs, None)
     step_log = tmp_path / "steps.jsonl"
-    echo = _run(used, max_num_seqs, {**ECHO, "top_k": top_k}, step_log)
+    # Chains at batch 8 probe 3 requests at a time (probe_requests): the partial probes' forced chains are lossless.
+    partial = {"probe_requests": 3} if top_k == 1 else {}
+    echo = _run(used, max_num_seqs, {**ECHO, "top_k": top_k, **partial}, step_log)
     mismatches = [i for i, (a, b) in enumerate(zip(baseline["token_ids"], echo["token_ids"])) if a != b]
     assert not mismatches, f"k_max auto, max_num_seqs={max_num_seqs}: prompts {mismatches[:5]} differ from no-spec"
     steps = _steps(step_log)
@@ -86,6 +88,12 @@ def test_auto_greedy_identical_through_every_phase(prompts, tmp_path, max_num_se
     measured = [s for s in auto_steps if s["depth_values"][0] is not None]
     assert measured and all(s["depth_values"][0] == 1.0 for s in measured)
     assert any("ECHO budget" in line or "budget=auto" in line for line in echo["echo_log"])
+    probed = [s for s in auto_steps if s["probe_rows"]]
+    if partial:  # the probed rows verified every draft they had (the first step of the next wave may lack any)
+        assert probed and all(s["probe_rows"] == 3 and s["draft_depth"] == DEPTH for s in probed)
+        assert any(sum(c == s["drafted_depth"] for c in s["counts"]) >= 3 for s in probed)
+    else:
+        assert not probed
 
 
 def test_profile_is_saved_and_loaded(prompts, files, tmp_path):
@@ -176,3 +184,71 @@ def test_fused_chain_step_and_its_torch_twin_select_alike_end_to_end(prompts, tm
     fused, torch_path = runs["fused"], runs["torch"]
     assert [s["selection_hash"] for s in fused] == [s["selection_hash"] for s in torch_path]
     assert any(s["calibrated"] and 0 < s["sum"] < s["batch"] * DEPTH for s in fused), "the budget never cut"
+
+
+def test_policy_blocks_parse_and_alternate():
+    """ECHO_VLLM_POLICY_BLOCKS (scripts/policy_blocks.py): policies alternate in blocks once the budget decides; a
+    static:d block drafts to d and may verify all B x d drafts, and stays off the depth plan's clock (a probe
+    falling due there would be lost and fire in every auto block instead of every probe_interval auto steps)."""
+    from echo_vllm.core.time_budget import TimeAwareBudget
+    from echo_vllm.vllm.proposer import EchoProposer, parse_policy_blocks
+
+    assert parse_policy_blocks("auto, static:2", 4) == [("auto", None), ("static:2", 2)]
+    assert parse_policy_blocks("", 4) == []
+    assert parse_policy_blocks("static:0", 4) == [("static:0", 0)]  # plain decoding
+    for bad in ("static:5", "static:-1", "eagle:2", "static"):
+        with pytest.raises(ValueError, match="ECHO_VLLM_POLICY_BLOCKS"):
+            parse_policy_blocks(bad, 4)
+
+    from echo_vllm.core.cost_model import CostModel
+
+    proposer = object.__new__(EchoProposer)
+    proposer.max_depth, proposer._tree_step, proposer.top_k, proposer._budget_logged = DEPTH, False, 1, True
+    proposer.calibration = object()
+    proposer.echo_settings = types.SimpleNamespace(warmup_steps=8, probe_requests=0)
+    proposer._force_plain = 0
+    proposer.budget = TimeAwareBudget(
+        DEPTH, profile_steps=4, probe_interval=4, surplus_tail=True, profile_path=None, plain_hindsight=True
+    )
+    proposer.budget.cost_model = CostModel((1.0, 2.0, 4.0), (1.0, 1.0, 1.0), 0.0, (0.0, 0.0, 0.1, 0.0), 0.0, 4)
+    proposer._policy_blocks = tuple(parse_policy_blocks("auto,static:2", DEPTH))
+    proposer._policy_block_steps, proposer._policy_clock = 2, 0
+    seen = []
+    for _ in range(8):
+        proposer._before_drafting(8)
+        seen.append((proposer._policy, proposer._plan.depth, proposer._plan.k_cap))
+        if proposer._policy == "auto":
+            proposer.budget.observe_selection(0)  # what _select does for auto steps only
+    assert [s[0] for s in seen] == ["auto", "auto", "static:2", "static:2"] * 2
+    assert all(s[1:] == (2, 16) for s in seen if s[0] == "static:2")
+    # Only the auto steps asked the depth plan (a static step that asked it would consume a probe falling due).
+    assert proposer.budget.steps_seen == 4
+    assert proposer.budget.controller.steps == 4
+
+
+def test_partial_probes_take_the_next_slice_of_the_batch():
+    """probe_requests S < B: a probe's plan becomes a budget step with S rows forced to full chains, a different
+    slice of the batch each probe (row indices only: the same on every TP rank); S >= B or 0: a full probe."""
+    from echo_vllm.core.auto_budget import DraftPlan
+    from echo_vllm.vllm.proposer import EchoProposer
+
+    proposer = object.__new__(EchoProposer)
+    proposer.max_depth, proposer._tree_step, proposer._force_plain = DEPTH, False, 0
+    proposer._depth, proposer._probes_done = torch.arange(1, DEPTH + 1), 0
+    proposer.echo_settings = types.SimpleNamespace(probe_requests=3)
+    rows = [proposer._partial_probe_rows(8).nonzero().flatten().tolist() for _ in range(3)]
+    assert rows == [[0, 1, 2], [3, 4, 5], [0, 6, 7]]
+    proposer.echo_settings.probe_requests = 8
+    assert proposer._partial_probe_rows(8) is None
+    proposer.echo_settings.probe_requests = 0
+    assert proposer._partial_probe_rows(8) is None
+    # In the plan: a probe plan loses its probe flag (no k_min: the budget chooses) and carries its rows.
+    proposer.echo_settings.probe_requests = 2
+    proposer.budget = types.SimpleNamespace(
+        phase=lambda warming_up: "auto", plan=lambda *a, **k: DraftPlan(DEPTH, 8 * DEPTH, True), cost_model=None
+    )
+    proposer.calibration, proposer._budget_logged = object(), True
+    proposer.echo_settings.warmup_steps = 8
+    proposer._before_drafting(8)
+    assert proposer._plan == DraftPlan(DEPTH, 8 * DEPTH, False)
+    assert proposer._probe_rows is not None and int(proposer._probe_rows.sum()) == 2

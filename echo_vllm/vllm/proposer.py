@@ -85,6 +85,29 @@ WIDTH_PATIENCE = 8  # tree steps in a row without a sibling bought before siblin
 DEFERRED_HEAD_STEPS = 16
 DEFERRED_HEAD_NO_MERGE_ENV = "ECHO_VLLM_DEFERRED_HEAD_NO_MERGE"  # tests: drop the kept rows instead of merging
 FORCE_PLAIN_ENV = "ECHO_VLLM_FORCE_PLAIN"  # tests: N > 1 = once calibrated, only every N-th step drafts
+# Diagnostics (scripts/policy_blocks.py): once the budget decides ("auto" phase), alternate policies in blocks of
+# POLICY_BLOCK_STEPS_ENV steps (default 8) within one engine, e.g. "auto,static:2" (static:d = draft to depth d and
+# verify every draft, i.e. EAGLE-3 at depth d; static:0 = plain decoding). Paired in time, the blocks compare
+# policies where job-to-job drift (+-15 % on the testbed) swamps separate runs. The step log names each step's policy.
+POLICY_BLOCKS_ENV = "ECHO_VLLM_POLICY_BLOCKS"
+POLICY_BLOCK_STEPS_ENV = "ECHO_VLLM_POLICY_BLOCK_STEPS"
+
+
+def parse_policy_blocks(text: str, max_depth: int) -> list[tuple[str, int | None]]:
+    """ "auto,static:2" -> [("auto", None), ("static:2", 2)]; one clear error for anything else."""
+    blocks: list[tuple[str, int | None]] = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        if item == "auto":
+            blocks.append((item, None))
+            continue
+        kind, _, depth = item.partition(":")
+        if kind != "static" or not depth.isdigit() or not 0 <= int(depth) <= max_depth:
+            raise ValueError(
+                f"{POLICY_BLOCKS_ENV}: {item!r} is not a policy; use 'auto' or 'static:D' with 0 <= D <= {max_depth}"
+                " (0: plain decoding)"
+            )
+        blocks.append((item, int(depth)))
+    return blocks
 
 
 class _HeadDeferred(Exception):
@@ -121,6 +144,9 @@ class PendingVerification:
 
 class EchoProposer(EagleProposer):
     num_speculative_tokens: int  # vLLM's; `_draft` sets it per step and restores it
+    _policy = "auto"  # this step's policy (ECHO_VLLM_POLICY_BLOCKS; "auto" without blocks)
+    _policy_blocks: tuple[tuple[str, int | None], ...] = ()
+    _probe_rows: torch.Tensor | None = None
 
     def __init__(self, vllm_config, device, runner=None):
         super().__init__(vllm_config, device, runner)
@@ -195,6 +221,11 @@ class EchoProposer(EagleProposer):
         self._no_merge = os.environ.get(DEFERRED_HEAD_NO_MERGE_ENV) == "1"
         self._force_plain = int(os.environ.get(FORCE_PLAIN_ENV) or 0)
         self._force_clock = 0
+        self._policy_blocks = tuple(parse_policy_blocks(os.environ.get(POLICY_BLOCKS_ENV) or "", self.max_depth))
+        self._policy_block_steps = max(1, int(os.environ.get(POLICY_BLOCK_STEPS_ENV) or 8))
+        self._policy_clock = 0
+        self._probe_rows: torch.Tensor | None = None  # this step's partially probed rows (probe_requests)
+        self._probes_done = 0
         self._step_log = (os.environ.get(STEP_LOG_ENV) or "").replace("{rank}", str(self.tp_rank)) or None
         self._step_log_file: Any = None
         self._log_interval = float(os.environ.get(LOG_INTERVAL_ENV, "10"))
@@ -574,7 +605,11 @@ class EchoProposer(EagleProposer):
     def _before_drafting(self, batch: int) -> None:
         """This step's draft plan (for 'auto' also the refit points: the same step on every TP rank)."""
         ceiling = batch * self.max_depth
-        if self.budget is not None:
+        self._policy = self._block_policy() if self.phase == "auto" else "auto"
+        static_depth = dict(self._policy_blocks).get(self._policy)
+        if static_depth is not None:  # a diagnostic block: the depth plan and its probe clock sit it out
+            self._plan = DraftPlan(static_depth, batch * static_depth, False)
+        elif self.budget is not None:
             # Warm-up verifies the spines (what the gates calibrate on); later phases may add every sibling.
             nodes_per_depth = self.top_k if self._tree_step else 1
             self._plan = self.budget.plan(batch, nodes_per_depth, self.warming_up, warmup_cap=ceiling)
@@ -590,10 +625,36 @@ class EchoProposer(EagleProposer):
         else:
             nodes = ceiling * (self.top_k if self._tree_step else 1)
             self._plan = DraftPlan(self.max_depth, min(int(self.k_max or 0), nodes), False)
+        self._probe_rows = None
+        if self._plan.probe and not self._tree_step:
+            self._probe_rows = self._partial_probe_rows(batch)
+            if self._probe_rows is not None:  # the budget chooses for every row; the probed ones get full chains
+                self._plan = self._plan._replace(probe=False)
         if self._force_plain > 1 and not self.warming_up:
             self._force_clock += 1
             if self._force_clock % self._force_plain:
                 self._plan = DraftPlan(0, 0, False)
+
+    def _partial_probe_rows(self, batch: int) -> torch.Tensor | None:
+        """probe_requests S < B: [B] bool, the S rows whose full chains this probe verifies (the next slice of the
+        batch each probe: row indices only, the same on every TP rank); None: a probe of every row."""
+        size = self.echo_settings.probe_requests
+        if size <= 0 or size >= batch:
+            return None
+        start = (self._probes_done * size) % batch
+        self._probes_done += 1
+        rows = (start + torch.arange(size, device=self._depth.device)) % batch
+        mask = torch.zeros(batch, dtype=torch.bool, device=self._depth.device)
+        mask[rows] = True
+        return mask
+
+    def _block_policy(self) -> str:
+        """ECHO_VLLM_POLICY_BLOCKS: this step's policy ("auto" without blocks)."""
+        if not self._policy_blocks:
+            return "auto"
+        index = (self._policy_clock // self._policy_block_steps) % len(self._policy_blocks)
+        self._policy_clock += 1
+        return self._policy_blocks[index][0]
 
     def _after_step(self, start: float, drafted: float, batch: int, depth: int) -> None:
         """Step timing: rest = since the last step's proposer ended, draft = this proposer call; a cost sample."""
@@ -626,9 +687,9 @@ class EchoProposer(EagleProposer):
         if depth == 0 or batch == 0:
             self._pending = None
             self.stats.record_plan(0)
-            if self.budget is not None:
+            if self.budget is not None and self._policy == "auto":  # static blocks stay off the plan's clock
                 self.budget.observe_selection(0)
-            self._observe_plain_step(batch)  # nothing to verify: its hindsight needs no feedback
+                self._observe_plain_step(batch)  # nothing to verify: its hindsight needs no feedback
             if self._step_log and batch:  # plain steps belong to the record too (the oracle bound counts them)
                 self._write_step_log([0] * batch, batch, [[] for _ in range(batch)])
             if batch:  # a budget-0 step on /metrics too (K_i = 0 for every request)
@@ -652,12 +713,14 @@ class EchoProposer(EagleProposer):
                 self.budget.select(
                     tree, gates, batch, self._plan, self.warming_up, depth=depth, chain=not self._tree_step
                 )
-                if self.budget is not None
+                if self.budget is not None and self._policy == "auto"
                 else (None, None)
             )
             if selection is None:
                 selection = self._capped_selection(tree, gates, cap)
             counts_t, depth_cap, truncated = selection.counts, gates.depth_cap, gates.truncated
+        if self._probe_rows is not None and not self._tree_step:  # a partial probe: its rows verify every draft
+            counts_t = torch.where(self._probe_rows[:batch], torch.full_like(counts_t, depth), counts_t)
 
         req_ids = list(self._runner.input_batch.req_ids[:batch]) if self._runner is not None else []
         listed = None
@@ -683,7 +746,7 @@ class EchoProposer(EagleProposer):
             raise AssertionError(f"ECHO budget violated: sum of drafts {step_sum} > k_max {self.k_max}")
         self.stats.record_selection(counts_t, cap, depth_cap, truncated)  # no sync
         self.stats.record_plan(depth, predicted)
-        if self.budget is not None:
+        if self.budget is not None and self._policy == "auto":  # static blocks stay off the plan's clock
             self.budget.observe_selection(step_sum)
         self._account(counts, batch, ragged)
         return ragged
@@ -698,7 +761,7 @@ class EchoProposer(EagleProposer):
         self._stage = "select"
         self.faults.maybe_inject("select")
         plan, budget, tail = self._plan, self.budget, self.echo_settings.surplus_tail
-        if budget is not None and budget.phase(self.warming_up) == "auto":
+        if budget is not None and budget.phase(self.warming_up) == "auto" and self._policy == "auto":
             rest, draft = budget.curves(batch, batch * depth, depth, plan.depth, logps.device)
             k_min = plan.k_cap if plan.probe else 0  # a probe verifies all it drafted: every depth is measured
             result = chain_select(
@@ -994,6 +1057,8 @@ class EchoProposer(EagleProposer):
             "moved": self._last_leaf_accepts,  # accepted nodes off the spine in this step's forward (KV moved)
             "rest_s": self._last_times[0],  # this step's time outside the proposer
             "draft_s": self._last_times[1],  # the previous step's proposer time (this one is still running)
+            "policy": self._policy,  # "auto", or ECHO_VLLM_POLICY_BLOCKS' static:d of this step
+            "probe_rows": 0 if self._probe_rows is None else int(self._probe_rows.sum()),  # a partial probe's rows
         }
         if self.budget is not None:  # the depth plan's view: each depth's value, and what the last verified step added
             controller = self.budget.controller

@@ -9,8 +9,8 @@ cannot rank them; blocks of a few steps alternating in one engine can. A step-lo
 proposer of step t - 1 (`draft_s`), the time outside the proposer of step t (`rest_s`, its target forward verifying
 step t - 1's selection) and what that forward accepted: all three belong to step t - 1's policy. Counted are the
 decode steps at the run's most common batch size (no prompt tokens in the forward). Prints per policy: steps,
-emitted tokens per step, ms per step, tokens/s, and the ratio of tokens/s to the first policy per pair of adjacent
-blocks (median, min-max): the paired view. Reporting only; plain Python.
+emitted tokens per step, ms per step, tokens/s, and each block's tokens/s over that of the nearest preceding block
+of the first policy (median, min-max): the paired view. Reporting only; plain Python.
 """
 
 from __future__ import annotations

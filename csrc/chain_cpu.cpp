@@ -173,6 +173,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> chain_select_cpu(
   const double* rest = rest_t.data_ptr<double>();
   const double* draft = draft_t.data_ptr<double>();
   const double neg_inf = -std::numeric_limits<double>::infinity();
+  // A probe's floor is what it can verify: with fewer eligible candidates than k_min (rows dropped as partial
+  // prefills, a short chain) it verifies them all rather than nothing.
+  k_min = std::min<int64_t>(k_min, eligible);
   double best = k_min > 0 ? neg_inf : base_tokens / std::max(rest[0] + draft[0], 1e-12);
   int64_t best_level = -1, best_pos = -1;
   double best_gain = 0.0;

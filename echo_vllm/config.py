@@ -94,6 +94,13 @@ class EchoSettings(BaseModel):
         "at batch B, so that the request-steps probed per step stay the same at every load (a probe verifies B x "
         "depth drafts); 0 = every probe_interval steps at any load.",
     )
+    probe_depth: Literal["full", "next"] = Field(
+        default="full",
+        description="k_max 'auto': how deep a probe drafts (and verifies every draft): 'full' = the max depth; "
+        "'next' = one deeper than the depth plan's current best (a step that costs about what a step at that "
+        "depth costs, where a full-depth probe at batch 64 verifies 4 x 64 drafts); depths further down are "
+        "valued from the measured continuation rates, and a plan that moves deeper is then probed deeper.",
+    )
     probe_requests: int = Field(
         default=0,
         ge=0,

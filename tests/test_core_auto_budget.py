@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from echo_vllm.core.acceptance import AcceptanceModel
 from echo_vllm.core.auto_budget import (
     DraftController,
+    DraftPlan,
     choose_budget,
     drafting_can_stop,
     priority_rank,
@@ -115,6 +116,15 @@ def test_chooser_charges_the_draft_depth_and_respects_cap_and_floor():
     low = torch.full((4,), 0.0, dtype=torch.float64)
     floored = choose_budget(low, depth, eligible, rest + torch.arange(5), draft, base_tokens=2.0, k_cap=4, k_min=2)
     assert int(floored.k) == 2  # a probe step verifies at least k_min although nothing pays
+    # A floor above what is eligible (a row dropped as a partial prefill): the probe verifies all there is, where
+    # it used to find no allowed cut and decode plain.
+    short = torch.tensor([True, False, True, False])
+    all_there_is = choose_budget(low, depth, short, rest + torch.arange(5), draft, base_tokens=2.0, k_cap=4, k_min=4)
+    assert (int(all_there_is.k), int(all_there_is.depth)) == (2, 2)
+    nothing = choose_budget(
+        low, depth, torch.zeros(4, dtype=torch.bool), rest, draft, base_tokens=2.0, k_cap=4, k_min=4
+    )
+    assert int(nothing.k) == 0 and int(nothing.last_position) == -1  # nothing eligible: plain decoding
 
 
 def _random_tree(seed: int, batch: int, depth: int):
@@ -224,6 +234,37 @@ def test_draft_controller_drafts_to_the_depth_worth_most_and_probes():
     control.observe(0)  # a plain step: nothing measured
     probe = control.plan(8, 24)  # step 6: a probe
     assert probe.probe and probe.depth == 3 and probe.k_cap == 24
+
+
+def test_next_depth_probes_draft_one_deeper_than_the_best():
+    """probe_depth 'next': a probe drafts one depth deeper than the plan's best and verifies all of it (its cap is
+    that depth's share of the ceiling), so a plan at plain decoding probes depth 1, not B x D drafts; before the
+    plan has measurements, and at the max depth, the probe is a full one."""
+    control = DraftController(3, window=2, probe_interval=3, alpha=0.5, probe_next=True)
+    first = control.plan(batch=8, ceiling=24)
+    assert (first.depth, first.k_cap) == (3, 24)  # nothing measured yet: full depth
+    for _ in range(2):
+        control.observe(0)
+        control.observe_levels([3.0, 1.0, 0.5, 0.2])
+    probe = control.plan(8, 24)  # step 2: plain decoding leads; a probe is due
+    assert probe.probe and (probe.depth, probe.k_cap) == (1, 8)
+    control.observe(8)
+    for _ in range(3):
+        control.observe(16)
+        control.observe_levels([1.0, 1.5, 2.0, 2.5])
+    plan = control.plan(8, 24)  # step 6: depth 3 (the max) leads; the probe is full
+    assert plan.probe and (plan.depth, plan.k_cap) == (3, 24)
+    control.observe(24)
+    for _ in range(2):
+        control.observe_levels([1.0, 1.5, 2.0, 1.0])
+    assert control.plan(8, 24) == DraftPlan(2, 24, False)  # step 7: depth 2 leads
+    control.observe(16)
+    control.observe(16)
+    assert control.plan(8, 24) == DraftPlan(3, 24, True)  # depth 2 leads: the probe drafts and verifies 3
+    full = DraftController(3, probe_interval=1, alpha=0.5)
+    full.observe(0)
+    full.observe_levels([3.0, 1.0, 0.5, 0.2])
+    assert full.plan(8, 24) == DraftPlan(3, 24, True)  # 'full' (the default): every probe at the max depth
 
 
 def _probe_steps(control: DraftController, batches: list[int]) -> list[int]:

@@ -228,6 +228,7 @@ def test_corrupt_calibration_file_is_clear_error(root, tmp_path):
         ({"k_max": "AUTO"}, "echo.k_max"),
         ({"profile_steps": 1}, "echo.profile_steps"),
         ({"probe_interval": -1}, "echo.probe_interval"),
+        ({"probe_depth": "deep"}, "echo.probe_depth"),
     ],
 )
 def test_bad_config_values_name_the_field(raw, field):

@@ -60,7 +60,9 @@ def test_auto_greedy_identical_through_every_phase(prompts, tmp_path, max_num_se
     step_log = tmp_path / "steps.jsonl"
     # Chains at batch 8 probe 3 requests at a time (probe_requests): the partial probes' forced chains are lossless.
     partial = {"probe_requests": 3} if top_k == 1 else {}
-    echo = _run(used, max_num_seqs, {**ECHO, "top_k": top_k, **partial}, step_log)
+    # Trees at batch 32 probe one depth deeper than the plan's best (probe_depth "next").
+    next_probes = {"probe_depth": "next"} if max_num_seqs == 32 else {}
+    echo = _run(used, max_num_seqs, {**ECHO, "top_k": top_k, **partial, **next_probes}, step_log)
     mismatches = [i for i, (a, b) in enumerate(zip(baseline["token_ids"], echo["token_ids"])) if a != b]
     assert not mismatches, f"k_max auto, max_num_seqs={max_num_seqs}: prompts {mismatches[:5]} differ from no-spec"
     steps = _steps(step_log)
@@ -94,6 +96,17 @@ def test_auto_greedy_identical_through_every_phase(prompts, tmp_path, max_num_se
         assert any(sum(c == s["drafted_depth"] for c in s["counts"]) >= 3 for s in probed)
     else:
         assert not probed
+    # A probe verifies every draft of its depth: its cap is B x nodes per depth x its depth.
+    probes = [s for s in auto_steps if s["probe"]]
+    nodes = lambda s: top_k if s["tree_step"] else 1  # noqa: E731
+    assert all(s["k_cap"] == s["batch"] * nodes(s) * s["draft_depth"] for s in probes if s["probe_rows"] == 0)
+    if next_probes:  # one deeper than the best measured depth (full depth while the slot is unmeasured)
+        best = [max(range(DEPTH + 1), key=lambda d: (s["depth_values"][d], -d)) for s in probes]
+        assert probes and all(
+            s["draft_depth"] in (min(DEPTH, b + 1), DEPTH)
+            for s, b in zip(probes, best)
+            if None not in s["depth_values"]
+        )
 
 
 def test_profile_is_saved_and_loaded(prompts, files, tmp_path):
@@ -196,7 +209,8 @@ def test_policy_blocks_parse_and_alternate():
     assert parse_policy_blocks("auto, static:2", 4) == [("auto", None), ("static:2", 2)]
     assert parse_policy_blocks("", 4) == []
     assert parse_policy_blocks("static:0", 4) == [("static:0", 0)]  # plain decoding
-    for bad in ("static:5", "static:-1", "eagle:2", "static"):
+    assert parse_policy_blocks("cut:3", 4) == [("cut:3", 3)]  # the budget's cut at a fixed depth
+    for bad in ("static:5", "static:-1", "eagle:2", "static", "cut:0", "cut:5"):
         with pytest.raises(ValueError, match="ECHO_VLLM_POLICY_BLOCKS"):
             parse_policy_blocks(bad, 4)
 
@@ -211,16 +225,18 @@ def test_policy_blocks_parse_and_alternate():
         DEPTH, profile_steps=4, probe_interval=4, surplus_tail=True, profile_path=None, plain_hindsight=True
     )
     proposer.budget.cost_model = CostModel((1.0, 2.0, 4.0), (1.0, 1.0, 1.0), 0.0, (0.0, 0.0, 0.1, 0.0), 0.0, 4)
-    proposer._policy_blocks = tuple(parse_policy_blocks("auto,static:2", DEPTH))
+    proposer._policy_blocks = tuple(parse_policy_blocks("auto,static:2,cut:3", DEPTH))
     proposer._policy_block_steps, proposer._policy_clock = 2, 0
     seen = []
-    for _ in range(8):
+    for _ in range(12):
         proposer._before_drafting(8)
-        seen.append((proposer._policy, proposer._plan.depth, proposer._plan.k_cap))
+        seen.append((proposer._policy, proposer._plan.depth, proposer._plan.k_cap, proposer._budget_cuts))
         if proposer._policy == "auto":
             proposer.budget.observe_selection(0)  # what _select does for auto steps only
-    assert [s[0] for s in seen] == ["auto", "auto", "static:2", "static:2"] * 2
-    assert all(s[1:] == (2, 16) for s in seen if s[0] == "static:2")
+    assert [s[0] for s in seen] == ["auto", "auto", "static:2", "static:2", "cut:3", "cut:3"] * 2
+    assert all(s[1:] == (2, 16, False) for s in seen if s[0] == "static:2")
+    # cut:d: drafts to d, and the budget cuts (the selection without the depth plan).
+    assert all(s[1:] == (3, 24, True) for s in seen if s[0] == "cut:3")
     # Only the auto steps asked the depth plan (a static step that asked it would consume a probe falling due).
     assert proposer.budget.steps_seen == 4
     assert proposer.budget.controller.steps == 4

@@ -101,7 +101,7 @@ def choose_budget(
     seconds outside the proposer of a step verifying k = 0..M drafts; draft_seconds [D + 1]: drafting to depth
     0..D. For each d the candidates deeper than d drop out and the rate of every prefix of the rest is
     (base + sum of gains) / (rest(k) + draft(d)); plain decoding (k = 0 at d = 0) comes first, so among equal
-    rates the cheapest wins. k_cap bounds and k_min (probe steps) floors the count.
+    rates the cheapest wins. k_cap bounds and k_min (probe steps) floors the count (at most at the eligible count).
     """
     device = ordered_gains.device
     m = ordered_gains.numel()
@@ -118,10 +118,13 @@ def choose_budget(
         step_rest = step_rest + torch.where(width > 0, tree_terms[0] + tree_terms[1] * width, torch.zeros_like(width))
     rate = (base_tokens + gain) / (step_rest + draft.unsqueeze(1)).clamp(min=1e-12)
     plain = (base_tokens / (rest[0] + draft[0]).clamp(min=1e-12)).reshape(1)
-    allowed = mask & (count <= k_cap) & (count >= k_min)
+    # A probe's floor is what it can verify: with fewer eligible candidates than k_min (rows dropped as partial
+    # prefills, drafting stopped at a closed gate) it verifies them all; a floor above them made every cut
+    # ineligible and the probe decoded plain.
+    floor = torch.clamp(ordered_eligible.sum(), max=k_min)
+    allowed = mask & (count <= k_cap) & (count >= floor)
     rate = torch.where(allowed, rate, torch.full_like(rate, float("-inf")))
-    if k_min > 0:
-        plain = torch.full_like(plain, float("-inf"))
+    plain = torch.where(floor > 0, torch.full_like(plain, float("-inf")), plain)
     flat = torch.cat([plain, rate.reshape(-1)])
     pick = torch.argmax(flat)  # the first maximum: plain decoding, then shallower, then shorter prefixes
     cell = (pick - 1).clamp(min=0)
@@ -282,12 +285,14 @@ class DraftController:
         window: int = 8,
         probe_interval: int = 16,
         probe_load_scale: int = 0,
+        probe_next: bool = False,
         alpha: float = 0.2,
         request_weight: float = REQUEST_WEIGHT,
     ) -> None:
         self.max_depth = max_depth
         self.probe_interval = probe_interval
         self.probe_load_scale = probe_load_scale
+        self.probe_next = probe_next
         self._last_probe = -1  # the step count at the last probe
         self.alpha = alpha
         self.request_weight = request_weight
@@ -333,10 +338,17 @@ class DraftController:
         if probe:
             self._last_probe = self.steps
         memory = self._memory_of(self._slot)
-        if probe or any(v is None for v in memory.value) or memory.measured_requests < MIN_MEASURED_REQUESTS:
+        if any(v is None for v in memory.value) or memory.measured_requests < MIN_MEASURED_REQUESTS:
             return DraftPlan(self.max_depth, ceiling, probe)
         values = [v if v is not None else float("-inf") for v in memory.value]
         depth = max(range(len(values)), key=lambda d: (values[d], -d))  # the best; the shallowest among equals
+        if probe:
+            if not self.probe_next:
+                return DraftPlan(self.max_depth, ceiling, True)
+            # One deeper than the best: every draft of it verified, so the best and its deeper neighbour are
+            # measured on the same step (ceiling = B x D x nodes per depth; the probe's cap is its depth's share).
+            probe_depth = min(self.max_depth, depth + 1)
+            return DraftPlan(probe_depth, ceiling // self.max_depth * probe_depth, True)
         return DraftPlan(depth, min(ceiling, max(4 * max(self._budget, default=0), 2 * batch)), False)
 
     def observe(self, budget: int) -> None:

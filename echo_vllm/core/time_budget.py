@@ -57,6 +57,7 @@ class TimeAwareBudget:
         profile_path: Path | None,
         plain_hindsight: bool = False,
         probe_load_scale: int = 0,
+        probe_next: bool = False,
         device: Any = "cpu",
         is_writer: bool = True,
         share: Share = _no_share,
@@ -68,7 +69,9 @@ class TimeAwareBudget:
         self.plain_hindsight = plain_hindsight
         self.is_writer = is_writer
         self.share = share
-        self.controller = DraftController(max_depth, probe_interval=probe_interval, probe_load_scale=probe_load_scale)
+        self.controller = DraftController(
+            max_depth, probe_interval=probe_interval, probe_load_scale=probe_load_scale, probe_next=probe_next
+        )
         self.acceptance = AcceptanceModel(max_depth, device=device)
         # Trees: the nodes off the spine, learned online from the tree steps (not saved: the prior is the node's own
         # path confidence, which a few hundred verified siblings correct).

@@ -208,6 +208,7 @@ class HFEngine:
                 probe_interval=settings.probe_interval,
                 plain_hindsight=settings.plain_hindsight,
                 probe_load_scale=settings.probe_load_scale,
+                probe_next=settings.probe_depth == "next",
                 surplus_tail=False,  # drafting stops at a closed gate here: there are no tails to add
                 profile_path=Path(path).expanduser() if path else None,
             )

@@ -87,24 +87,27 @@ DEFERRED_HEAD_NO_MERGE_ENV = "ECHO_VLLM_DEFERRED_HEAD_NO_MERGE"  # tests: drop t
 FORCE_PLAIN_ENV = "ECHO_VLLM_FORCE_PLAIN"  # tests: N > 1 = once calibrated, only every N-th step drafts
 # Diagnostics (scripts/policy_blocks.py): once the budget decides ("auto" phase), alternate policies in blocks of
 # POLICY_BLOCK_STEPS_ENV steps (default 8) within one engine, e.g. "auto,static:2" (static:d = draft to depth d and
-# verify every draft, i.e. EAGLE-3 at depth d; static:0 = plain decoding). Paired in time, the blocks compare
+# verify every draft, i.e. EAGLE-3 at depth d; static:0 = plain decoding; cut:d = draft to depth d and let the
+# time-aware budget cut ECHO's order, i.e. the selection without the depth plan). Paired in time, the blocks compare
 # policies where job-to-job drift (+-15 % on the testbed) swamps separate runs. The step log names each step's policy.
 POLICY_BLOCKS_ENV = "ECHO_VLLM_POLICY_BLOCKS"
 POLICY_BLOCK_STEPS_ENV = "ECHO_VLLM_POLICY_BLOCK_STEPS"
 
 
 def parse_policy_blocks(text: str, max_depth: int) -> list[tuple[str, int | None]]:
-    """ "auto,static:2" -> [("auto", None), ("static:2", 2)]; one clear error for anything else."""
+    """ "auto,static:2,cut:3" -> [("auto", None), ("static:2", 2), ("cut:3", 3)]; one clear error for anything
+    else."""
     blocks: list[tuple[str, int | None]] = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         if item == "auto":
             blocks.append((item, None))
             continue
         kind, _, depth = item.partition(":")
-        if kind != "static" or not depth.isdigit() or not 0 <= int(depth) <= max_depth:
+        lowest = 0 if kind == "static" else 1
+        if kind not in ("static", "cut") or not depth.isdigit() or not lowest <= int(depth) <= max_depth:
             raise ValueError(
-                f"{POLICY_BLOCKS_ENV}: {item!r} is not a policy; use 'auto' or 'static:D' with 0 <= D <= {max_depth}"
-                " (0: plain decoding)"
+                f"{POLICY_BLOCKS_ENV}: {item!r} is not a policy; use 'auto', 'static:D' with 0 <= D <= {max_depth}"
+                f" (0: plain decoding) or 'cut:D' with 1 <= D <= {max_depth}"
             )
         blocks.append((item, int(depth)))
     return blocks
@@ -140,6 +143,7 @@ class PendingVerification:
     predicted: bool = False  # the time-aware budget predicted this selection's accepted drafts
     drafted_depth: int = 0  # how deep the step drafted (the depth plan's hindsight)
     listed: SpineFirstOrder | None = None  # trees: the drafts as listed (spine first); None: chains
+    feeds_plan: bool = True  # its hindsight goes to the depth plan (not in ECHO_VLLM_POLICY_BLOCKS' cut:d blocks)
 
 
 class EchoProposer(EagleProposer):
@@ -249,6 +253,7 @@ class EchoProposer(EagleProposer):
                 probe_interval=s.probe_interval,
                 plain_hindsight=s.plain_hindsight,
                 probe_load_scale=s.probe_load_scale,
+                probe_next=s.probe_depth == "next",
                 surplus_tail=s.surplus_tail,
                 profile_path=profile_path,
                 device=device,
@@ -606,9 +611,9 @@ class EchoProposer(EagleProposer):
         """This step's draft plan (for 'auto' also the refit points: the same step on every TP rank)."""
         ceiling = batch * self.max_depth
         self._policy = self._block_policy() if self.phase == "auto" else "auto"
-        static_depth = dict(self._policy_blocks).get(self._policy)
-        if static_depth is not None:  # a diagnostic block: the depth plan and its probe clock sit it out
-            self._plan = DraftPlan(static_depth, batch * static_depth, False)
+        block_depth = dict(self._policy_blocks).get(self._policy)
+        if block_depth is not None:  # a diagnostic block: the depth plan and its probe clock sit it out
+            self._plan = DraftPlan(block_depth, batch * block_depth, False)
         elif self.budget is not None:
             # Warm-up verifies the spines (what the gates calibrate on); later phases may add every sibling.
             nodes_per_depth = self.top_k if self._tree_step else 1
@@ -647,6 +652,11 @@ class EchoProposer(EagleProposer):
         mask = torch.zeros(batch, dtype=torch.bool, device=self._depth.device)
         mask[rows] = True
         return mask
+
+    @property
+    def _budget_cuts(self) -> bool:
+        """This step's selection is the time-aware budget's cut ("auto", or a cut:d block of fixed depth)."""
+        return self._policy == "auto" or self._policy.startswith("cut:")
 
     def _block_policy(self) -> str:
         """ECHO_VLLM_POLICY_BLOCKS: this step's policy ("auto" without blocks)."""
@@ -713,7 +723,7 @@ class EchoProposer(EagleProposer):
                 self.budget.select(
                     tree, gates, batch, self._plan, self.warming_up, depth=depth, chain=not self._tree_step
                 )
-                if self.budget is not None and self._policy == "auto"
+                if self.budget is not None and self._budget_cuts
                 else (None, None)
             )
             if selection is None:
@@ -740,6 +750,7 @@ class EchoProposer(EagleProposer):
             predicted is not None,
             depth,
             listed,
+            feeds_plan=self._policy == "auto",
         )
         step_sum = sum(counts)
         if self.k_max is not None and step_sum > self.k_max:  # select_budget guarantees this; never silent
@@ -761,7 +772,7 @@ class EchoProposer(EagleProposer):
         self._stage = "select"
         self.faults.maybe_inject("select")
         plan, budget, tail = self._plan, self.budget, self.echo_settings.surplus_tail
-        if budget is not None and budget.phase(self.warming_up) == "auto" and self._policy == "auto":
+        if budget is not None and budget.phase(self.warming_up) == "auto" and self._budget_cuts:
             rest, draft = budget.curves(batch, batch * depth, depth, plan.depth, logps.device)
             k_min = plan.k_cap if plan.probe else 0  # a probe verifies all it drafted: every depth is measured
             result = chain_select(
@@ -895,7 +906,8 @@ class EchoProposer(EagleProposer):
                 # A predicted step that verified nothing (the budget chose plain decoding) realised 0 accepted
                 # drafts: counted, so that predicted and realised per step average over the same steps.
                 self.stats.record_realised(torch.zeros(0, dtype=torch.long))
-                self._observe_plain_step(len(pending.req_ids))
+                if pending.feeds_plan:
+                    self._observe_plain_step(len(pending.req_ids))
             return
         cur, old, verified = rows
         if isinstance(sampled_token_ids, torch.Tensor):
@@ -925,7 +937,7 @@ class EchoProposer(EagleProposer):
                 self._record_tree_acceptance(pending.listed, confidence[old], old, cur, verified, tree_accepted)
             else:
                 self.budget.acceptance.record(confidence[old], mask, depths < verified_depth.unsqueeze(1))
-            if pending.predicted:
+            if pending.predicted and pending.feeds_plan:
                 # Hindsight only from steps the time-aware budget cut: warm-up and profile steps verify what their
                 # sweep says, which caps deeper levels by the sweep's cut, not by acceptance (the plan started
                 # plain at batch 1 after a profile whose fractions verified little).
@@ -1048,6 +1060,7 @@ class EchoProposer(EagleProposer):
             "selection_hash": selection_hash,
             "calibrated": self.calibration is not None,
             "draft_depth": self._plan.depth,  # planned
+            "probe": self._plan.probe,  # a probe step: every draft verified
             "drafted_depth": len(self._echo_ids),  # drafted (the early exit may stop sooner)
             "num_tokens": self._step_tokens,  # tokens in this step's target forward
             "context_tokens": self._step_context,  # tokens already cached for this step's requests

@@ -1077,6 +1077,13 @@ class EchoProposer(EagleProposer):
             controller = self.budget.controller
             record["depth_values"] = [None if v is None else round(v, 4) for v in controller.value]
             record["level_rates"] = [round(v, 4) for v in controller.last_levels]
+            cost = self.budget.cost_model
+            if cost is not None and batch > 0:  # the current fit's step at this batch, every draft of depth d verified
+                record["model_ms"] = [
+                    round(1e3 * (cost.rest_at(batch * (1 + d), batch) + cost.verify_at(batch, batch * d)
+                                 + cost.draft_seconds(batch, d)), 2)
+                    for d in range(self.max_depth + 1)
+                ]  # fmt: skip
         if self._step_log_file is None:  # kept open, line-buffered: a write per step, no open/close
             self._step_log_file = open(self._step_log, "a", buffering=1)  # lives as long as the proposer
         self._step_log_file.write(json.dumps(record) + "\n")

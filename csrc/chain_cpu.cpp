@@ -20,6 +20,8 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "exp_poly.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -227,26 +229,26 @@ TORCH_LIBRARY_IMPL(echo, CPU, m) { m.impl("chain_select", &echo::chain_select_cp
 namespace echo {
 namespace {
 
-// exp(x) for x <= 0 (x - max of a row; -inf allowed) in float arithmetic only, so that loops over it vectorise
-// (with -fno-trapping-math, csrc/build.py: it lets the compiler turn the clamps into selects): 2^t with
-// t = x log2(e) clamped to [-126, 0], split as n + f (n = t rounded to nearest by the 1.5 * 2^23 trick, f in
-// [-0.5, 0.5]); 2^f by its degree-6 Taylor polynomial (error < 2e-7 relative); 2^n from the exponent bits. Below
-// 2^-126 (x < -87.3) the result is 2^-126 instead of 0: at most V * 1e-38 in a sum that is >= 1. NaN in: NaN out.
-inline float exp_nonpositive(float x) {
-  float t = x * 1.44269504088896341f;
-  t = t < -126.0f ? -126.0f : t;
-  t = t > 0.0f ? 0.0f : t;
-  const float rounded = (t + 12582912.0f) - 12582912.0f;  // round to nearest (|t| < 2^22); no -ffast-math here
-  const float f = (t - rounded) * 0.693147180559945309f;   // in [-0.347, 0.347]
-  const float p =
-      1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120 + f * (1.0f / 720))))));
-  const int32_t bits = (static_cast<int32_t>(rounded) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
 constexpr int64_t kChunk = 512;  // exp(x - max) of this many logits at a time, in a buffer on the stack
+
+// Pass 2 of both draft ops: the sum of exp(x - best) over a row, chunk by chunk: the exp loop vectorises, and 8
+// float partial sums per chunk (element-wise lanes: no reassociation needed) are added into a double.
+template <typename scalar_t>
+double sum_exp_below(const scalar_t* row, int64_t vocab, float best, float* buffer) {
+  double sum = 0.0;
+  for (int64_t start = 0; start < vocab; start += kChunk) {
+    const int64_t n = std::min(kChunk, vocab - start);
+    for (int64_t v = 0; v < n; ++v) buffer[v] = exp_nonpositive(static_cast<float>(row[start + v]) - best);
+    float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    int64_t v = 0;
+    for (; v + 8 <= n; v += 8) {
+      for (int k = 0; k < 8; ++k) lanes[k] += buffer[v + k];
+    }
+    for (; v < n; ++v) sum += buffer[v];
+    for (int k = 0; k < 8; ++k) sum += lanes[k];
+  }
+  return sum;
+}
 
 template <typename scalar_t>
 void argmax_logp_rows(const scalar_t* logits, int64_t rows_begin, int64_t rows_end, int64_t vocab, int64_t* ids,
@@ -267,20 +269,7 @@ void argmax_logp_rows(const scalar_t* logits, int64_t rows_begin, int64_t rows_e
     float best = -std::numeric_limits<float>::infinity();
     for (; m < vocab; ++m) best = static_cast<float>(row[m]) > best ? static_cast<float>(row[m]) : best;
     for (int k = 0; k < 8; ++k) best = maxes[k] > best ? maxes[k] : best;
-    // Pass 2: sum of exp(x - max), chunk by chunk: the exp loop vectorises, and 8 float partial sums per chunk
-    // (element-wise lanes: no reassociation needed) are added into a double.
-    double sum = 0.0;
-    for (int64_t start = 0; start < vocab; start += kChunk) {
-      const int64_t n = std::min(kChunk, vocab - start);
-      for (int64_t v = 0; v < n; ++v) buffer[v] = exp_nonpositive(static_cast<float>(row[start + v]) - best);
-      float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      int64_t v = 0;
-      for (; v + 8 <= n; v += 8) {
-        for (int k = 0; k < 8; ++k) lanes[k] += buffer[v + k];
-      }
-      for (; v < n; ++v) sum += buffer[v];
-      for (int k = 0; k < 8; ++k) sum += lanes[k];
-    }
+    const double sum = sum_exp_below(row, vocab, best, buffer);
     if (std::isnan(sum) || vocab == 0 || std::isinf(best)) {
       // A NaN logit (its index, as torch.max returns), a row of -inf or an inf logit: no usable log-prob.
       int64_t id = 0;
@@ -321,7 +310,81 @@ std::tuple<at::Tensor, at::Tensor> draft_argmax_logp_cpu(const at::Tensor& logit
   return {ids, logps};
 }
 
+// ---- echo::draft_topk_logp (CPU): a tree draft step's top-k tokens and their draft log-probs in one pass ----
+//
+// The tree step's twin of draft_argmax_logp: per row, the k largest logits (value descending, equal values lower
+// index first: the tie rule of core.tree.topk_stable, so slot 0 is the chain's argmax) and each one's
+// log p = x - logsumexp, clamped to <= 0. In torch (float copy, logsumexp, topk_stable's seven kernels, a clamp) it
+// cost ~0.25 ms more per draft depth than the chain op at batch 1 on the testbed. Pass 1 keeps the k best in a
+// small sorted list (an element enters only if it beats the k-th: rare after the first few hundred), pass 2 is
+// draft_argmax_logp's sum of exp. NaN entries are skipped by the top-k and make the row's log-probs NaN (as
+// torch's logsumexp); so do rows of -inf and rows holding +inf.
+template <typename scalar_t>
+void topk_logp_rows(const scalar_t* logits, int64_t rows_begin, int64_t rows_end, int64_t vocab, int64_t k,
+                    int64_t* ids, float* logps) {
+  float buffer[kChunk];
+  std::vector<float> vals(k);
+  std::vector<int64_t> idx(k);
+  for (int64_t r = rows_begin; r < rows_end; ++r) {
+    const scalar_t* row = logits + r * vocab;
+    int64_t count = 0;
+    bool has_nan = false;
+    for (int64_t v = 0; v < vocab; ++v) {
+      const float x = static_cast<float>(row[v]);
+      if (x != x) {
+        has_nan = true;
+        continue;
+      }
+      if (count == k && !(x > vals[k - 1])) continue;  // ties with the k-th keep the lower index
+      int64_t pos = count < k ? count++ : k - 1;
+      while (pos > 0 && vals[pos - 1] < x) {  // equal values stay ahead: ascending index among equals
+        vals[pos] = vals[pos - 1];
+        idx[pos] = idx[pos - 1];
+        --pos;
+      }
+      vals[pos] = x;
+      idx[pos] = v;
+    }
+    for (int64_t j = count; j < k; ++j) {  // fewer than k non-NaN entries: the first NaN indices fill the list
+      vals[j] = std::numeric_limits<float>::quiet_NaN();
+      idx[j] = 0;
+    }
+    const float best = count ? vals[0] : std::numeric_limits<float>::quiet_NaN();
+    const double sum = count ? sum_exp_below(row, vocab, best, buffer) : 0.0;
+    const bool unusable = has_nan || count < k || std::isinf(best) || std::isnan(sum);
+    const double lse = static_cast<double>(best) + std::log(sum);
+    for (int64_t j = 0; j < k; ++j) {
+      ids[r * k + j] = idx[j];
+      logps[r * k + j] = unusable ? std::numeric_limits<float>::quiet_NaN()
+                                  : std::min(0.0f, static_cast<float>(static_cast<double>(vals[j]) - lse));
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> draft_topk_logp_cpu(const at::Tensor& logits_in, int64_t k) {
+  TORCH_CHECK_VALUE(logits_in.device().is_cpu(), "logits must be a CPU tensor; got ", logits_in.device());
+  TORCH_CHECK_VALUE(logits_in.dim() == 2, "logits must be [B, V]; got shape ", logits_in.sizes());
+  TORCH_CHECK_VALUE(k >= 1 && k <= logits_in.size(1), "top_k = ", k, " must be in [1, vocabulary size ",
+                    logits_in.size(1), "]");
+  const at::Tensor logits = logits_in.contiguous();
+  const int64_t batch = logits.size(0), vocab = logits.size(1);
+  at::Tensor ids = at::empty({batch, k}, logits.options().dtype(at::kLong));
+  at::Tensor logps = at::empty({batch, k}, logits.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "draft_topk_logp", [&] {
+    const scalar_t* data = logits.data_ptr<scalar_t>();
+    int64_t* id_out = ids.data_ptr<int64_t>();
+    float* logp_out = logps.data_ptr<float>();
+    at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+      topk_logp_rows<scalar_t>(data, begin, end, vocab, k, id_out, logp_out);
+    });
+  });
+  return {ids, logps};
+}
+
 }  // namespace
 }  // namespace echo
 
-TORCH_LIBRARY_IMPL(echo, CPU, m) { m.impl("draft_argmax_logp", &echo::draft_argmax_logp_cpu); }
+TORCH_LIBRARY_IMPL(echo, CPU, m) {
+  m.impl("draft_argmax_logp", &echo::draft_argmax_logp_cpu);
+  m.impl("draft_topk_logp", &echo::draft_topk_logp_cpu);
+}

@@ -114,6 +114,7 @@ TORCH_LIBRARY(echo, m) {
       "Tensor rest, Tensor draft, float base_tokens, int k_cap, int k_min, bool surplus_tail) -> (Tensor counts, "
       "Tensor depth_cap, Tensor truncated, Tensor predicted)");
   m.def("draft_argmax_logp(Tensor logits) -> (Tensor ids, Tensor logps)");
+  m.def("draft_topk_logp(Tensor logits, int k) -> (Tensor ids, Tensor logps)");
 }
 
 // ---- Python module stub: importing echo_vllm._C loads the library and runs the registrations above. ----

@@ -212,3 +212,49 @@ def test_draft_argmax_logp_polynomial_exp_over_ragged_vocabularies_and_wide_logi
     assert torch.equal(ids, want_ids)
     assert torch.allclose(logps, exact, atol=2e-6, rtol=1e-5), (logps - exact).abs().max()
     assert bool((logps <= 0).all())
+
+
+needs_topk_op = pytest.mark.skipif(
+    not (chain_ops._DEFINED and chain_ops._TOPK_DEFINED),
+    reason="echo_vllm._C without draft_topk_logp",
+)
+
+
+@needs_topk_op
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+def test_draft_topk_logp_gives_topk_stable_tokens_in_order_and_their_log_softmax(dtype, k):
+    """The tree step's op against its torch twin: the same k tokens in the same order (value descending, equal
+    values lower index first, also at the k-th place), so slot 0 is the chain op's argmax; log-probs <= 0."""
+    gen = torch.Generator().manual_seed(k)
+    logits = (torch.randn((37, 4096), generator=gen) * 4).to(dtype)
+    logits[3] = torch.randint(0, 3, (4096,), generator=gen).to(dtype)  # ties everywhere, at the k-th place too
+    logits[4] = 0.0
+    logits[4, :20] = 9.0  # more equal maxima than k
+    logits[5, 17] = 60.0  # one dominant logit: log-prob ~0, never above it
+    ids, logps = chain_ops.draft_topk_logp(logits, k)
+    want_ids, want_logps = chain_ops.draft_topk_logp_reference(logits, k)
+    assert ids.shape == (37, k) and ids.dtype == torch.int64 and logps.dtype == torch.float32
+    assert torch.equal(ids, want_ids)
+    assert torch.equal(ids[:, 0], chain_ops.draft_argmax_logp(logits)[0])
+    assert torch.equal(ids[4], torch.arange(k))  # ties: the lowest ids, ascending
+    assert torch.allclose(logps, want_logps, atol=2e-6, rtol=1e-5)
+    assert bool((logps <= 0).all()) and bool((logps[:, :-1] >= logps[:, 1:]).all())
+
+
+@needs_topk_op
+def test_draft_topk_logp_nan_and_dead_rows_give_no_log_prob_and_bad_k_one_line():
+    logits = torch.zeros((4, 8))
+    logits[0, 5] = float("nan")
+    logits[1] = float("-inf")
+    logits[2, 2] = float("inf")
+    logits[3] = torch.arange(8.0)
+    ids, logps = chain_ops.draft_topk_logp(logits, 3)
+    _, want_logps = chain_ops.draft_topk_logp_reference(logits[1:], 3)
+    # No usable (finite) log-prob in those rows, as torch (which gives NaN or -inf there; the op NaN throughout).
+    assert bool(torch.isnan(logps[:3]).all()) and not bool(torch.isfinite(want_logps[:2]).any())
+    assert 5 not in ids[0].tolist() and int(ids[2, 0]) == 2  # NaN never chosen; +inf first
+    assert ids[3].tolist() == [7, 6, 5] and bool(torch.isfinite(logps[3]).all())
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match="top_k"):
+            chain_ops.draft_topk_logp(logits, bad)

@@ -202,3 +202,58 @@ def test_without_the_extension_the_torch_path_runs(monkeypatch):
     before = kv_cache.clone()
     tree_attn_cpu.echo_compact(kv_cache, torch.tensor([40]), torch.tensor([3]), isa=isa)
     assert not torch.equal(before, kv_cache)
+
+
+def layout_maps(kind: str, block: int, head: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kmap, vmap) of a page [2 x block x head]: "transposed" = vLLM's x86 layout (K as [D, bs], then V as
+    [bs, D]: the kernel's fast path); "shuffled" = a random permutation of the page (the generic path)."""
+    if kind == "transposed":
+        t, d = torch.arange(block).view(-1, 1), torch.arange(head).view(1, -1)
+        return (d * block + t).contiguous(), (block * head + t * head + d).contiguous()
+    perm = torch.randperm(2 * block * head, generator=torch.Generator().manual_seed(seed))
+    return perm[: block * head].view(block, head).clone(), perm[block * head :].view(block, head).clone()
+
+
+def dense_with_maps(batch, kv_cache, query, meta, ctx, scale, kmap, vmap) -> torch.Tensor:
+    """`dense_reference` for explicit page maps and any head size."""
+    block, head = kmap.shape
+    pages = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], -1).float()
+    heads, kv_heads = query.shape[1], kv_cache.shape[1]
+    out = []
+    for row, req, bits in zip(batch.fix_rows.tolist(), batch.fix_req.tolist(), batch.fix_bits.tolist()):
+        length = int(meta.seq_lens[req])
+        pos = torch.arange(length)
+        blocks = meta.block_table[req].long()[pos // block]
+        keys = pages[blocks.view(-1, 1), :, kmap[pos % block]].transpose(1, 2)
+        values = pages[blocks.view(-1, 1), :, vmap[pos % block]].transpose(1, 2)
+        visible = torch.tensor([p <= ctx[req] or (bits >> (p - ctx[req] - 1)) & 1 == 1 for p in range(length)])
+        q = query[row].float().view(kv_heads, heads // kv_heads, head)
+        weights = (torch.einsum("hgd,lhd->hgl", q, keys) * scale).masked_fill(~visible, float("-inf")).softmax(-1)
+        out.append(torch.einsum("hgl,lhd->hgd", weights, values).reshape(heads, head))
+    return torch.stack(out)
+
+
+@needs_ops
+@pytest.mark.parametrize("kind", ["transposed", "shuffled"])
+@pytest.mark.parametrize(("head", "dtype"), [(40, torch.float32), (64, torch.bfloat16), (24, torch.float32)])
+def test_both_kernel_paths_match_a_dense_reference_at_any_head_size(kind, head, dtype):
+    """The fast path (vLLM's layout, found at run time) and the generic one (any other page layout) give the same
+    rows as a dense masked attention; head sizes that are not a multiple of the fast path's 16-float chunks too."""
+    heads, kv_heads = 4, 2
+    batch, kv_cache, query, meta, ctx = random_step(7, heads, kv_heads, dtype)
+    g = torch.Generator().manual_seed(11)
+    kv_cache = (torch.randn(kv_cache.shape[0], kv_heads, BLOCK, 2 * head, generator=g) * 3).to(dtype)
+    query = torch.randn(query.shape[0], heads, head, generator=g).to(dtype)
+    kmap, vmap = layout_maps(kind, BLOCK, head)
+    scale = 1 / math.sqrt(head)
+    output = torch.full_like(query, float("nan"))
+    tree_ops.tree_fix_attention(
+        query, kv_cache, kmap, vmap, meta.block_table, batch.context_len, batch.fix_rows, batch.fix_req,
+        batch.fix_bits, scale, None, output,
+    )  # fmt: skip
+    dense = dense_with_maps(batch, kv_cache, query, meta, ctx, scale, kmap, vmap)
+    rel, floor = (1e-5, 1e-5) if dtype == torch.float32 else (2.0**-7, 1e-3)
+    assert ((output[batch.fix_rows].float() - dense).abs() <= rel * dense.abs() + floor).all()
+    others = torch.ones(query.shape[0], dtype=torch.bool)
+    others[batch.fix_rows] = False
+    assert torch.isnan(output[others]).all()

@@ -4,7 +4,9 @@
 * `chain_select`: the step's gates and budget cut; twin: `echo_vllm.core.chain_select.chain_select_reference`
   (bit for bit);
 * `draft_argmax_logp`: a draft step's argmax token and its log-prob; twin: `draft_argmax_logp_reference`
-  (max + logsumexp: the same token, the log-prob to float rounding).
+  (max + logsumexp: the same token, the log-prob to float rounding);
+* `draft_topk_logp`: a tree draft step's top-k tokens and their log-probs; twin: `draft_topk_logp_reference`
+  (`topk_stable` + logsumexp: the same tokens in the same order, the log-probs to float rounding).
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ import torch
 
 from echo_vllm import ops as _ops
 from echo_vllm.core.chain_select import ChainInputs, ChainSelection, chain_select_reference
+from echo_vllm.core.tree import topk_stable
 
 TORCH_PATH_ENV = "ECHO_VLLM_CHAIN_TORCH"
 _NO_TABLE = torch.empty(0, dtype=torch.float32)
 _DEFINED = _ops.ops_defined("chain_select", "draft_argmax_logp")
+_TOPK_DEFINED = _ops.ops_defined("draft_topk_logp")  # newer than the chain ops: an older build has those only
 _GATE = _ops.CpuOpsGate(
     TORCH_PATH_ENV, "ECHO chain steps: torch draft log-probs, gates and budget cut", "the chain ops"
 )
@@ -67,4 +71,21 @@ def draft_argmax_logp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     if not compiled_chain_select(logits.device):
         return draft_argmax_logp_reference(logits)
     ids, logps = torch.ops.echo.draft_argmax_logp(logits)
+    return ids, logps
+
+
+def draft_topk_logp_reference(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, k] int64, logps [B, k] float32): each row's k largest logits (value descending, equal values lower
+    index first: `topk_stable`) and x - logsumexp, clamped to <= 0."""
+    logits32 = logits.float()  # a no-op for float32 logits
+    lse = torch.logsumexp(logits32, dim=-1)
+    values, ids = topk_stable(logits32, k)
+    return ids, (values - lse.unsqueeze(1)).clamp(max=0.0)
+
+
+def draft_topk_logp(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tree draft step from the head's logits [B, V]: the top-k tokens and their draft log-probs (one pass)."""
+    if not _GATE.serves(logits.device, _DEFINED and _TOPK_DEFINED):
+        return draft_topk_logp_reference(logits, k)
+    ids, logps = torch.ops.echo.draft_topk_logp(logits, int(k))
     return ids, logps

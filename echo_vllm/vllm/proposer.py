@@ -49,10 +49,10 @@ from echo_vllm.core.cost_model import StepSample
 from echo_vllm.core.gating import Gates, depth_confidence
 from echo_vllm.core.metrics import EchoMetrics
 from echo_vllm.core.time_budget import TimeAwareBudget
-from echo_vllm.core.tree import DraftTree, topk_stable
+from echo_vllm.core.tree import DraftTree
 from echo_vllm.core.tree_order import SpineFirstOrder, spine_first_order, spine_sibling_tree
 from echo_vllm.ops import select_budget
-from echo_vllm.ops.chain import chain_select, compiled_chain_select, draft_argmax_logp
+from echo_vllm.ops.chain import chain_select, compiled_chain_select, draft_argmax_logp, draft_topk_logp
 from echo_vllm.vllm import instance_attrs, prom_metrics
 from echo_vllm.vllm import spec as echo_spec
 from echo_vllm.vllm.deferred_head import DeferredHeadRows, HeadRows, request_of_rows, valid_rows
@@ -341,16 +341,13 @@ class EchoProposer(EagleProposer):
         if self.use_heterogeneous_vocab:
             logits = self.vocab_mapping.constrain_draft_logits(logits)
         if self._tree_step:
-            logits32 = logits.float()  # a no-op for float32 logits
-            lse = torch.logsumexp(logits32, dim=-1)
             # The spine continues with slot 0 (argmax, lowest id among ties: the chain's token); slots 1..k-1 are
-            # the sibling leaves of this depth.
-            top_values, top_ids = topk_stable(logits32, self.top_k)
-            top_logps = (top_values - lse.unsqueeze(1)).clamp(max=0.0)
+            # the sibling leaves of this depth (one pass on CPU: echo::draft_topk_logp).
+            top_ids, top_logps = draft_topk_logp(logits, self.top_k)
             if self.use_heterogeneous_vocab:
                 top_ids = self.vocab_mapping.map_draft_to_target_ids(top_ids)
             self._echo_topk.append((top_ids, top_logps))
-            self._echo_logps.append(top_values[:, 0] - lse)
+            self._echo_logps.append(top_logps[:, 0])
             draft_ids = top_ids[:, 0]
         else:  # one pass over the logits on CPU (echo::draft_argmax_logp), max + logsumexp elsewhere
             draft_ids, logps = draft_argmax_logp(logits)

@@ -8,7 +8,7 @@ import torch
 from echo_vllm.core.budget import select_budget_reference
 from echo_vllm.core.gating import Gates
 from echo_vllm.core.tree import SyntheticDrafter, grow_spine_siblings, grow_tree
-from echo_vllm.core.tree_order import spine_first_order, spine_sibling_tree
+from echo_vllm.core.tree_order import spine_first_order, spine_hindsight, spine_sibling_tree
 
 
 def _select(tree, k_max, batch, max_depth, cap=None, widen=True):
@@ -68,3 +68,20 @@ def test_spine_sibling_tree_marks_unusable_rows_and_dead_paths_invalid():
     assert tree.valid[0].tolist() == [True, True, False, True, False, False]
     assert not tree.valid[1].any()
     assert tree.parent[0].tolist() == [-1, -1, 0, 0, 2, 2]
+
+
+def test_spine_hindsight_counts_a_tree_step_as_its_spines_chains():
+    """The depth plan's view of a tree step: only spine nodes verified, and a path that left the spine through an
+    accepted sibling at depth a counts a - 1 accepted drafts (what the chain would have had)."""
+    node_depths = torch.tensor([[1, 2, 3, 1, 2], [1, 2, 0, 0, 0], [1, 2, 1, 0, 0]])  # spine first, then siblings
+    spine_len = torch.tensor([3, 2, 2])
+    spine_ok = torch.tensor(
+        [
+            [True, False, False, False],  # spine depth 1 accepted, then the sibling at depth 2 (path length 2)
+            [True, True, False, False],  # both spine nodes accepted
+            [False, False, False, False],  # the depth-1 sibling accepted: no spine draft
+        ]
+    )
+    accepted, depths = spine_hindsight(node_depths, spine_len, spine_ok)
+    assert accepted.tolist() == [1, 2, 0]
+    assert depths.tolist() == [[1, 2, 3, 0, 0], [1, 2, 0, 0, 0], [1, 2, 0, 0, 0]]

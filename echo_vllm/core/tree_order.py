@@ -81,3 +81,19 @@ def spine_sibling_tree(tokens: torch.Tensor, logprobs: torch.Tensor, usable: tor
         valid=valid.contiguous(),
         spine=(node % top_k == 0).expand(batch, max_depth * top_k).contiguous(),
     )
+
+
+def spine_hindsight(
+    node_depths: torch.Tensor, spine_len: torch.Tensor, spine_ok: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A verified tree step as its spines alone would have verified as chains: (accepted drafts [R], the verified
+    nodes' depths [R, N] with every node off the spine set to 0 = none), for the depth plan's hindsight.
+
+    node_depths [R, N]: the depths of each request's verified nodes in spine-first order (0 = not verified);
+    spine_len [R]: its listed spine nodes; spine_ok [R, D]: whether the spine node of depth d + 1 was on the
+    accepted path. A path that left the spine at depth a (an accepted sibling) counts a - 1 accepted spine drafts.
+    """
+    accepted = torch.cumprod(spine_ok.to(torch.int64), dim=1).sum(dim=1)
+    columns = torch.arange(node_depths.shape[1], device=node_depths.device).unsqueeze(0)
+    on_spine = columns < spine_len.to(node_depths.device).unsqueeze(1)
+    return accepted, torch.where(on_spine, node_depths, torch.zeros_like(node_depths))

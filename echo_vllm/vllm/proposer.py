@@ -50,7 +50,7 @@ from echo_vllm.core.gating import Gates, depth_confidence
 from echo_vllm.core.metrics import EchoMetrics
 from echo_vllm.core.time_budget import TimeAwareBudget
 from echo_vllm.core.tree import DraftTree
-from echo_vllm.core.tree_order import SpineFirstOrder, spine_first_order, spine_sibling_tree
+from echo_vllm.core.tree_order import SpineFirstOrder, spine_first_order, spine_hindsight, spine_sibling_tree
 from echo_vllm.ops import select_budget
 from echo_vllm.ops.chain import chain_select, compiled_chain_select, draft_argmax_logp, draft_topk_logp
 from echo_vllm.vllm import instance_attrs, prom_metrics
@@ -930,15 +930,25 @@ class EchoProposer(EagleProposer):
             self._last_accepted = accepted.tolist()  # debug log only: a host sync
         mask = depths < accepted.unsqueeze(1)
         if self.budget is not None:
+            plan_accepted, plan_depths = accepted, node_depths
             if pending.listed is not None and tree_accepted is not None:
-                self._record_tree_acceptance(pending.listed, confidence[old], old, cur, verified, tree_accepted)
+                spine_ok = self._record_tree_acceptance(
+                    pending.listed, confidence[old], old, cur, verified, tree_accepted
+                )
+                # The depth plan values depth, not width (the budget buys width step by step where it pays): a
+                # tree step counts in hindsight as its spines would have as chains - the spine nodes verified and
+                # accepted. Valued with every verified sibling, a probe of B x D x top_k nodes priced each depth
+                # at full width and put the plan to plain decoding at batch 4 (163 of 290 steps).
+                plan_accepted, plan_depths = spine_hindsight(node_depths, pending.listed.spine_len[old], spine_ok)
             else:
                 self.budget.acceptance.record(confidence[old], mask, depths < verified_depth.unsqueeze(1))
             if pending.predicted and pending.feeds_plan:
                 # Hindsight only from steps the time-aware budget cut: warm-up and profile steps verify what their
                 # sweep says, which caps deeper levels by the sweep's cut, not by acceptance (the plan started
                 # plain at batch 1 after a profile whose fractions verified little).
-                self.budget.observe_verification(accepted, node_depths, len(pending.req_ids), pending.drafted_depth)
+                self.budget.observe_verification(
+                    plan_accepted, plan_depths, len(pending.req_ids), pending.drafted_depth
+                )
         if self.calibration is None and self.echo_settings.warmup_steps > 0:
             self.recorder.record(confidence[old], mask, verified_depth)
             self.warmup_recorded += 1
@@ -984,10 +994,11 @@ class EchoProposer(EagleProposer):
         cur: torch.Tensor,
         verified: torch.Tensor,
         tree_accepted: Any,
-    ) -> None:
+    ) -> torch.Tensor:
         """A verified tree step, node by node: the spine node of depth d was accepted iff the accepted path's
         depth-d node sits at its place (position d - 1, spine first); every verified node off the spine goes to the
-        width model with its own path confidence and whether the path went through it."""
+        width model with its own path confidence and whether the path went through it. Returns spine_ok [R, D]:
+        whether each request's spine node of depth d + 1 was on the accepted path."""
         assert self.budget is not None
         accepted_local = tree_accepted[cur].to(listed.depth.device)  # [R, Dmax] draft position per depth, -1 past it
         width = listed.depth.shape[1]
@@ -1006,6 +1017,7 @@ class EchoProposer(EagleProposer):
         self.budget.width_acceptance.record_nodes(
             listed.depth[old][off_spine], torch.exp(listed.scores[old][off_spine]), on_path[off_spine]
         )
+        return spine_ok
 
     def _finish_warmup(self) -> None:
         s = self.echo_settings

@@ -363,6 +363,23 @@ def test_hindsight_level_rates_price_the_selection_cut_at_each_depth():
     assert budget.controller.value == pytest.approx([r / expected[0] for r in expected])  # relative to plain
 
 
+def test_hindsight_charges_plain_decoding_the_head_rows_it_defers():
+    """With defer_plain_head a plain step leaves its B head rows to a later first pass (h per row): the plain level
+    pays h B, so drafting is not compared with a plain step that looks free of head work."""
+    from echo_vllm.core.cost_model import CostModel
+    from echo_vllm.core.time_budget import TimeAwareBudget
+
+    budget = TimeAwareBudget(3, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None)
+    budget.cost_model = CostModel(
+        (1.0, 2.0, 4.0, 8.0), (1.0, 1.0, 1.0, 2.0), 0.0, (0.0, 0.0, 0.5, 0.0), 0.0, 4, deferred_row_s=0.25
+    )
+    depths = torch.tensor([[1, 2, 3], [1, 0, 0]])
+    budget.observe_verification(torch.tensor([2, 0]), depths, batch=2, drafted_depth=3)
+    # As the test above, but the plain level costs rest(2) + h x 2 = 1.5 s.
+    expected = [2 / 1.5, 3 / (1.0 + 0.5), 4 / (1.25 + 1.0), 4 / (1.5 + 1.5)]
+    assert budget.controller.value == pytest.approx([r / expected[0] for r in expected])
+
+
 # -- acceptance ----------------------------------------------------------------------------------------------------
 
 

@@ -122,6 +122,47 @@ def test_first_pass_cost_is_recovered_and_deep_drafts_are_not_overpriced():
     assert CostModel.from_vector(old_vector).first_pass_terms == (0.0, 0.0)
 
 
+def _deferring_samples(h: float, n=400, seed=3, noise=0.02):
+    """A run with defer_plain_head: a plain step (depth 0) skips the head's first pass over its B rows, and the
+    next drafting step's first pass carries them (merged = the rows of the plain steps since the last drafting
+    step), at h seconds per row."""
+    rng = random.Random(seed)
+    out, backlog = [], 0
+    for _ in range(n):
+        batch = rng.choice([4, 8, 16, 32])
+        depth = 0 if rng.random() < 0.4 else rng.randint(1, 4)
+        tokens = batch + (0 if depth == 0 else rng.randint(0, depth * batch))
+        merged = 0
+        if depth == 0:
+            backlog += batch
+        else:
+            merged, backlog = backlog, 0
+        draft = _draft_first_pass(batch, depth) + h * merged
+        rest = 0.002 + 0.0003 * tokens
+        u = rng.uniform
+        out.append(StepSample(tokens, batch, depth, rest * u(1 - noise, 1 + noise), draft * u(1 - noise, 1 + noise),
+                              merged=merged))  # fmt: skip
+    return out
+
+
+def test_deferred_head_rows_are_priced_per_row_and_charged_to_plain_steps():
+    """The backlog a plain step defers is fitted as its own term (h per merged row), so that the first-pass terms
+    keep their value and a plain step is priced with the h B its rows cost later; without the column the backlog
+    inflated the first-pass terms (every drafting step looked dearer, plain decoding free of head work)."""
+    h = 0.00008  # the first pass's per-row cost: 2x g of _draft_first_pass
+    model = fit_cost_model(_deferring_samples(h))
+    assert model is not None and model.fit_error < 0.05
+    assert model.deferred_row_s == pytest.approx(h, rel=0.15)
+    f, g = model.first_pass_terms
+    assert f == pytest.approx(0.0009, rel=0.3) and g == pytest.approx(0.00004, rel=0.3)
+    assert model.plain_head_seconds(16) == pytest.approx(16 * h, rel=0.15)
+    assert CostModel.from_vector(model.to_vector()) == model
+    # Without deferral (no merged rows) the term stays 0: plain steps owe nothing.
+    plain_model = fit_cost_model([dataclasses.replace(x, merged=0, draft_s=_draft_first_pass(x.batch, x.draft_depth))
+                                  for x in _deferring_samples(h)])  # fmt: skip
+    assert plain_model is not None and plain_model.deferred_row_s == pytest.approx(0.0, abs=1e-6)
+
+
 def _verifying_samples(n=400, seed=5, noise=0.03):
     """Plain steps (N = B, nothing verified) and steps verifying K >= 1 drafts, which pay a jump of
     3 ms + 0.1 ms per request over the curve (the testbed's shape: multi-token queries, the rejection sampler)."""

@@ -41,6 +41,8 @@ class _CostModelJson(BaseModel):
     verify_terms: list[float] = Field(
         default_factory=lambda: [0.0, 0.0], min_length=VERIFY_TERMS, max_length=VERIFY_TERMS
     )
+    # Added with the deferred head rows' term; profiles written before it have none (plain steps free of head work).
+    deferred_row_s: float = Field(default=0.0, ge=0)
 
 
 class _AcceptanceJson(BaseModel):
@@ -83,6 +85,7 @@ def save_profile(path: str | os.PathLike[str], cost: CostModel, acceptance: Acce
             "tree_terms": list(cost.tree_terms),
             "first_pass_terms": list(cost.first_pass_terms),
             "verify_terms": list(cost.verify_terms),
+            "deferred_row_s": cost.deferred_row_s,
         },
         "acceptance": acceptance.to_json_dict(),
     }
@@ -133,6 +136,7 @@ def load_profile(
             (c.tree_terms[0], c.tree_terms[1]),
             (c.first_pass_terms[0], c.first_pass_terms[1]),
             (c.verify_terms[0], c.verify_terms[1]),
+            c.deferred_row_s,
         )
         acceptance = AcceptanceModel.from_json_dict(data.acceptance.model_dump(), expected_max_depth, device)
     except (ValueError, RuntimeError) as err:

@@ -19,6 +19,11 @@ A step whose forward verifies any drafts (V > 0) adds
 A step that verifies a tree with W nodes off the spine (rows whose attention needs the tree mask) adds
   tree(W)     = t0 [W > 0] + t1 W: the tree step's fixed work (positions, masks, compaction) and the masked
                 attention per such row, which a step of N chain tokens does not pay.
+A step whose first pass also carries R head rows deferred from earlier plain steps (`defer_plain_head`) adds
+  deferred(R) = h R: the head's work those plain steps skipped. Without this term the merged backlog was charged
+                to the first-pass terms of every drafting step (f + g B) and plain steps looked free of head work:
+                a bias towards plain decoding of about the head's per-row cost x B (batch 32 on the testbed:
+                ~3.5 of ~28 ms). A plain step is then priced with the h B its rows will cost (`plain_head_seconds`).
 
 The samples are the step times the proposer observes (`StepSample`); `fit_cost_model` fits both parts with a few
 Huber-reweighted least-squares passes (robust to the +-20 % noise and to the odd idle gap), a penalty on the
@@ -45,6 +50,7 @@ DRAFT_TERMS = 4  # a, b, c, e of draft(B, d)
 TREE_TERMS = 2  # t0, t1 of tree(W)
 FIRST_PASS_TERMS = 2  # f, g of draft(B, d): the step cost of drafting at all (d >= 1)
 VERIFY_TERMS = 2  # v0, v1 of verify(B): the step cost of verifying at all (V >= 1)
+DEFERRED_TERMS = 1  # h of deferred(R): seconds per deferred head row merged into a first pass
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,7 @@ class StepSample:
     draft_s: float
     width: int = 0  # verified nodes off the spine in this step's forward (tree rows)
     verified: int = 0  # draft tokens verified in this step's forward (0: a plain step)
+    merged: int = 0  # head rows of earlier plain steps merged into this step's first pass (defer_plain_head)
 
 
 class StepSamples:
@@ -120,7 +127,8 @@ def _robust_lstsq(x: torch.Tensor, y: torch.Tensor, ridge: torch.Tensor, passes:
 class CostModel:
     """rest(N, B) over `knots` (seconds per knot, non-decreasing) + `per_request_s` x B; draft terms (a, b, c, e);
     tree terms (t0, t1) of a step verifying W > 0 nodes off the spine; first-pass terms (f, g) of a step that
-    drafts at all (absent from profiles written before them: 0, the old linear model).
+    drafts at all (absent from profiles written before them: 0, the old linear model); h = `deferred_row_s`, the
+    head's work per row deferred from a plain step (0 in older profiles, and without `defer_plain_head`).
 
     fit_error: median relative error |predicted - observed| / observed of the step time over the fitted samples.
     """
@@ -134,6 +142,7 @@ class CostModel:
     tree_terms: tuple[float, float] = (0.0, 0.0)
     first_pass_terms: tuple[float, float] = (0.0, 0.0)
     verify_terms: tuple[float, float] = (0.0, 0.0)
+    deferred_row_s: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.knots) < 2 or len(self.knots) != len(self.rest_s):
@@ -142,7 +151,7 @@ class CostModel:
             raise ValueError("cost model knots must be strictly increasing")
         values = [
             *self.rest_s, self.per_request_s, *self.draft_terms, *self.tree_terms, *self.first_pass_terms,
-            *self.verify_terms,
+            *self.verify_terms, self.deferred_row_s,
         ]  # fmt: skip
         if (
             len(self.draft_terms) != DRAFT_TERMS
@@ -194,6 +203,10 @@ class CostModel:
         first = f + g * batch if draft_depth >= 1 else 0.0
         return a + b * batch + first + draft_depth * (c + e * batch)
 
+    def plain_head_seconds(self, batch: int) -> float:
+        """The head's deferred work a plain step of `batch` requests leaves for a later first pass (h B)."""
+        return self.deferred_row_s * batch
+
     def step_seconds(self, num_tokens: float, batch: int, draft_depth: int, verified: float = 0) -> float:
         rest = float(self.rest_seconds(torch.tensor([float(num_tokens)]), batch)[0])
         return rest + self.verify_at(batch, verified) + self.draft_seconds(batch, draft_depth)
@@ -202,7 +215,7 @@ class CostModel:
 
     def to_vector(self) -> list[float]:
         """Flat floats: [K, knots..., rest..., per_request, draft terms..., fit_error, num_samples, tree terms...,
-        first-pass terms..., verify terms...]."""
+        first-pass terms..., verify terms..., h]."""
         return [
             float(len(self.knots)),
             *self.knots,
@@ -214,6 +227,7 @@ class CostModel:
             *self.tree_terms,
             *self.first_pass_terms,
             *self.verify_terms,
+            self.deferred_row_s,
         ]
 
     @classmethod
@@ -226,11 +240,12 @@ class CostModel:
         tree = (tail[7], tail[8]) if len(tail) >= 9 else (0.0, 0.0)
         first = (tail[9], tail[10]) if len(tail) >= 11 else (0.0, 0.0)
         verify = (tail[11], tail[12]) if len(tail) >= 13 else (0.0, 0.0)
-        return cls(knots, rest, tail[0], draft, tail[5], int(tail[6]), tree, first, verify)
+        deferred = tail[13] if len(tail) >= 14 else 0.0
+        return cls(knots, rest, tail[0], draft, tail[5], int(tail[6]), tree, first, verify, deferred)
 
 
 def vector_length(num_knots: int) -> int:
-    return 1 + 2 * num_knots + 1 + DRAFT_TERMS + 2 + TREE_TERMS + FIRST_PASS_TERMS + VERIFY_TERMS
+    return 1 + 2 * num_knots + 1 + DRAFT_TERMS + 2 + TREE_TERMS + FIRST_PASS_TERMS + VERIFY_TERMS + DEFERRED_TERMS
 
 
 def _nonnegative_lstsq(x: torch.Tensor, y: torch.Tensor, ridge: float) -> torch.Tensor:
@@ -327,6 +342,7 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
     draft = torch.tensor([s.draft_s for s in rows], dtype=torch.float64)
     width = torch.tensor([s.width for s in rows], dtype=torch.float64)
     verifying = torch.tensor([1.0 if s.verified > 0 else 0.0 for s in rows], dtype=torch.float64)
+    merged = torch.tensor([s.merged for s in rows], dtype=torch.float64)
 
     knots = torch.tensor(_knots_for(float(n.max())), dtype=torch.float64)
     k = knots.numel()
@@ -340,7 +356,7 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
     verify = (float(v[k + 3]), float(v[k + 4]))
 
     drafts = (depth >= 1).to(torch.float64)
-    x_draft = torch.stack([torch.ones_like(batch), batch, depth, depth * batch, drafts, drafts * batch], dim=1)
+    x_draft = torch.stack([torch.ones_like(batch), batch, depth, depth * batch, drafts, drafts * batch, merged], dim=1)
     w = _nonnegative_lstsq(x_draft, draft, 1e-9 * len(rows))
     terms = tuple(float(t) for t in w)
 
@@ -363,4 +379,5 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
         tree,
         (terms[4], terms[5]),
         verify,
+        terms[6],
     )

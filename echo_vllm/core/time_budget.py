@@ -256,10 +256,12 @@ class TimeAwareBudget:
             expected_extra += reach_p
             emitted_h.append(emitted_h[drafted] + accepted_to_end * expected_extra)
             nodes_h.append(nodes_h[drafted] + verified_to_end * (d - drafted))
-        # Per depth level, not per request; a level that verifies anything pays verify(B) on top.
+        # Per depth level, not per request; a level that verifies anything pays verify(B) on top, and plain decoding
+        # the head work it defers to a later first pass (0 without defer_plain_head: nothing is deferred).
         rates_per_level = [
             (batch + emitted_h[d]) / max(cost.rest_at(batch + nodes_h[d], batch) + cost.verify_at(batch, nodes_h[d])
-                                         + cost.draft_seconds(batch, d), 1e-12)
+                                         + cost.draft_seconds(batch, d)
+                                         + (cost.plain_head_seconds(batch) if d == 0 else 0.0), 1e-12)
             for d in range(len(emitted_h))
         ]  # fmt: skip
         # Relative to the step's own plain-decoding rate: steps of different batch sizes average on one scale.

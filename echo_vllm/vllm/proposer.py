@@ -221,6 +221,7 @@ class EchoProposer(EagleProposer):
         self.deferred_head = self._init_deferred_head(vllm_config)
         self._defer_head_now = False  # set by _draft on a plain step, read by set_inputs_first_pass
         self._verified_in_forward = 0  # draft tokens the step's target forward verified (set by the feedback)
+        self._merged_rows = 0  # deferred head rows merged into this step's first pass (its cost sample)
         self._head_keys: dict[str, int] = {}  # request id -> key of its kept head rows (cleared at each merge)
         self._no_merge = os.environ.get(DEFERRED_HEAD_NO_MERGE_ENV) == "1"
         self._force_plain = int(os.environ.get(FORCE_PLAIN_ENV) or 0)
@@ -419,6 +420,7 @@ class EchoProposer(EagleProposer):
             if self._last_end is not None:
                 self._last_times = (start - self._last_end, self._last_times[1])
             self._before_drafting(batch)
+            self._merged_rows = 0
             drafts = self._draft(num_speculative_tokens, args, kwargs)
             drafted = time.perf_counter()
             if not isinstance(drafts, torch.Tensor) or drafts.dim() != 2:
@@ -504,6 +506,7 @@ class EchoProposer(EagleProposer):
         )
         self._head_keys.clear()
         rows, total = merged.rows, merged.rows.num_rows
+        self._merged_rows = merged.num_merged  # this step's cost sample: the backlog its first pass carried
         self.input_ids[:total] = rows.input_ids
         self.positions[:total] = rows.positions
         self.hidden_states[:total] = rows.hidden
@@ -678,8 +681,9 @@ class EchoProposer(EagleProposer):
             self._rest_timed_steps += 1
             if self.budget is not None:
                 sample = StepSample(
-                    num_tokens, batch, depth, rest_s, draft_s, self.forward_fix_rows, self._verified_in_forward
-                )
+                    num_tokens, batch, depth, rest_s, draft_s, self.forward_fix_rows, self._verified_in_forward,
+                    self._merged_rows,
+                )  # fmt: skip
                 self.budget.add_sample(sample, self.warming_up)
         self._last_end = end
 
@@ -1090,7 +1094,7 @@ class EchoProposer(EagleProposer):
             if cost is not None and batch > 0:  # the current fit's step at this batch, every draft of depth d verified
                 record["model_ms"] = [
                     round(1e3 * (cost.rest_at(batch * (1 + d), batch) + cost.verify_at(batch, batch * d)
-                                 + cost.draft_seconds(batch, d)), 2)
+                                 + cost.draft_seconds(batch, d) + (cost.plain_head_seconds(batch) if d == 0 else 0)), 2)
                     for d in range(self.max_depth + 1)
                 ]  # fmt: skip
         if self._step_log_file is None:  # kept open, line-buffered: a write per step, no open/close

@@ -220,6 +220,7 @@ def test_policy_blocks_parse_and_alternate():
 
     proposer = object.__new__(EchoProposer)
     proposer.max_depth, proposer._tree_step, proposer.top_k, proposer._budget_logged = DEPTH, False, 1, True
+    proposer.tree_mode = False
     proposer.calibration = object()
     proposer.echo_settings = types.SimpleNamespace(warmup_steps=8, probe_requests=0)
     proposer._force_plain = 0
@@ -252,6 +253,7 @@ def test_partial_probes_take_the_next_slice_of_the_batch():
 
     proposer = object.__new__(EchoProposer)
     proposer.max_depth, proposer._tree_step, proposer._force_plain = DEPTH, False, 0
+    proposer.tree_mode = False
     proposer._depth, proposer._probes_done = torch.arange(1, DEPTH + 1), 0
     proposer.echo_settings = types.SimpleNamespace(probe_requests=3)
     rows = [proposer._partial_probe_rows(8).nonzero().flatten().tolist() for _ in range(3)]

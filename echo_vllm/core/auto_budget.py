@@ -330,11 +330,15 @@ class DraftController:
             return self.probe_interval
         return self.probe_interval * max(1, math.ceil(batch / self.probe_load_scale))
 
+    def probe_due(self, batch: int) -> bool:
+        """Whether the next `plan` at `batch` is a probe (no state changes)."""
+        interval = self.probe_every(batch)
+        return interval > 0 and self.steps - self._last_probe >= interval
+
     def plan(self, batch: int, ceiling: int) -> DraftPlan:
         """ceiling: the most candidates this step can have (B x nodes per request)."""
         self._slot = load_bucket(batch)
-        interval = self.probe_every(batch)
-        probe = interval > 0 and self.steps - self._last_probe >= interval
+        probe = self.probe_due(batch)
         if probe:
             self._last_probe = self.steps
         memory = self._memory_of(self._slot)

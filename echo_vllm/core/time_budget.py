@@ -114,6 +114,12 @@ class TimeAwareBudget:
             return DraftPlan(cycle[(self.profile_done - 1) % len(cycle)], ceiling, False)
         return DraftPlan(self.max_depth, min(ceiling, warmup_cap), False)
 
+    def probe_due(self, batch: int, warming_up: bool) -> bool:
+        """Whether this step's plan (the next `plan` call) is a depth-plan probe, asked before drafting. A refit
+        inside `plan` may move the phase on that very step; then this answer is one step stale (harmless: it only
+        decides whether the step drafts siblings)."""
+        return self.phase(warming_up) == "auto" and self.controller.probe_due(batch)
+
     def select(
         self,
         tree: DraftTree,

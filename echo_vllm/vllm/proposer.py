@@ -51,6 +51,7 @@ from echo_vllm.core.metrics import EchoMetrics
 from echo_vllm.core.time_budget import TimeAwareBudget
 from echo_vllm.core.tree import DraftTree
 from echo_vllm.core.tree_order import SpineFirstOrder, spine_first_order, spine_hindsight, spine_sibling_tree
+from echo_vllm.core.width_schedule import WidthSchedule
 from echo_vllm.ops import select_budget
 from echo_vllm.ops.chain import chain_select, compiled_chain_select, draft_argmax_logp, draft_topk_logp
 from echo_vllm.vllm import instance_attrs, prom_metrics
@@ -73,9 +74,6 @@ logger = logging.getLogger("vllm.echo_vllm")
 # rank, so every rank of a tensor-parallel engine writes its own file (TP tests compare them).
 STEP_LOG_ENV = "ECHO_VLLM_STEP_LOG"
 LOG_INTERVAL_ENV = "ECHO_VLLM_LOG_INTERVAL"  # seconds between periodic ECHO log lines (default 10)
-
-
-WIDTH_PATIENCE = 8  # tree steps in a row without a sibling bought before siblings are drafted at probes only
 
 
 # Rows the head may keep waiting, per max_num_seqs (the proposer's buffers grow by this): at one row per decoding
@@ -175,8 +173,8 @@ class EchoProposer(EagleProposer):
         self.forward_fix_rows = 0  # tree rows (nodes off the spine) of this step's target forward, for the cost
         self.batch_has_structured_output = False  # this step's scheduled batch (EchoTreeInputsPatch sets it)
         self.tree_accepted: torch.Tensor | None = None  # the tree sampler's accepted positions, for the feedback
-        self._steps_without_width = 0  # tree-drafting steps in a row whose budget bought no sibling
-        self._tree_clock = 0
+        # Which steps draft siblings (the rest draft chains).
+        self._width_schedule = WidthSchedule(interval=self.echo_settings.probe_interval)
         self._tree_step = False  # this step drafts trees (tree mode and the batch's sampling allows it)
         self._tree_fallback_logged = False
         self.tree_chain_fallbacks = 0  # steps that verified or drafted chains because of the batch's settings
@@ -412,7 +410,9 @@ class EchoProposer(EagleProposer):
             self.faults.maybe_inject("draft")
             batch = self._runner.input_batch.num_reqs if self._runner is not None else 0
             self._tree_step = (
-                self.tree_mode and self._trees_allowed(kwargs.get("sampling_metadata")) and self._trees_worth_drafting()
+                self.tree_mode
+                and self._trees_allowed(kwargs.get("sampling_metadata"))
+                and self._trees_worth_drafting(batch)
             )
             target = kwargs.get("target_token_ids")  # tokens of this step's target forward (the runner's keyword)
             self._step_tokens = int(target.shape[0]) if isinstance(target, torch.Tensor) else batch
@@ -576,19 +576,11 @@ class EchoProposer(EagleProposer):
             self.note_chain_fallback(reason)
         return reason is None
 
-    def _trees_worth_drafting(self) -> bool:
-        """Whether to draft this step's siblings. Warm-up selects spines only (the gates calibrate on them) and the
-        profile must see tree steps to price them; after that, once WIDTH_PATIENCE tree steps in a row bought no
-        sibling, drafting them is pure overhead: chains, with a tree step every `probe_interval` steps to look
-        again (the budget decides from fresh candidates and the refitted costs)."""
-        phase = self.phase
-        if phase == "warmup":
-            return False
-        if phase == "profile":
-            return True
-        self._tree_clock += 1
-        probe = self._tree_clock % max(1, self.echo_settings.probe_interval) == 0
-        return self._steps_without_width < WIDTH_PATIENCE or probe
+    def _trees_worth_drafting(self, batch: int) -> bool:
+        """Whether to draft this step's siblings (`WidthSchedule`: after `WIDTH_PATIENCE` budget-decided tree steps
+        in a row bought none, only probes and the step after each)."""
+        probe_due = self.budget.probe_due(batch, self.warming_up) if self.budget is not None else None
+        return self._width_schedule.drafts_trees(self.phase, probe_due)
 
     def note_plan_mismatch(self, count: int) -> None:
         """`count` requests' scheduled drafts were not their plans' (vLLM replaced them): verified as chains."""
@@ -630,6 +622,8 @@ class EchoProposer(EagleProposer):
         else:
             nodes = ceiling * (self.top_k if self._tree_step else 1)
             self._plan = DraftPlan(self.max_depth, min(int(self.k_max or 0), nodes), False)
+        if self.tree_mode:
+            self._width_schedule.after_plan(self._plan.probe)
         self._probe_rows = None
         if self._plan.probe and not self._tree_step:
             self._probe_rows = self._partial_probe_rows(batch)
@@ -821,11 +815,11 @@ class EchoProposer(EagleProposer):
             order = order._replace(depth=node_depth, scores=blank, spine_len=torch.zeros_like(order.spine_len))
         elif not packed or packed[0][1] == 0:
             # Every request got its spine prefix only: a chain step, which vLLM's own path verifies (no plans).
-            self._steps_without_width += 1
+            self._width_schedule.observe(False, self._plan.probe)
             return counts, ragged, order
         else:
             parents = [row[2 + width : 2 + width + c] for row, c in zip(packed, counts)]
-            self._steps_without_width = 0
+            self._width_schedule.observe(True, self._plan.probe)
         self.tree_plans = {
             rid: TreePlan(tuple(ragged[i]), tuple(parents[i])) for i, rid in enumerate(req_ids) if counts[i]
         }

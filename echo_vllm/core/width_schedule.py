@@ -1,0 +1,55 @@
+"""When a tree-mode engine drafts siblings (the per-depth top-k) and when it drafts plain chains.
+
+Drafting siblings costs a top-k per depth and the tree listing on every step that does it, whether the budget buys
+any sibling or not. So once `patience` budget-decided tree steps in a row bought none, the engine drafts chains,
+and looks again only around the depth plan's probes: the probe itself drafts trees (it verifies every node, which
+keeps the siblings' acceptance statistics fresh) and the step after it drafts trees for the budget to decide on,
+with those fresh statistics and the refitted costs. Without a depth plan (an integer k_max) a look comes every
+`interval` steps instead.
+
+A probe never counts as bought width: it verifies every node by rule, not because width paid. (When it did count,
+every probe restarted `patience` tree-drafting steps: on the CPU testbed at batch 1 about 60 % of the steps drafted
+trees for one step in fifteen that bought a sibling.) Decisions depend on step counts and on what the budget
+selected, which every TP rank has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+WIDTH_PATIENCE = 8  # budget-decided tree steps in a row without a sibling bought, before chains
+
+
+@dataclass
+class WidthSchedule:
+    """State: budget-decided tree steps in a row that bought no sibling, and whether the next step is a look."""
+
+    patience: int = WIDTH_PATIENCE
+    interval: int = 16  # steps between looks without a depth plan (probe_interval)
+    steps_without_width: int = 0
+    look_next: bool = False
+    clock: int = 0
+
+    def drafts_trees(self, phase: str, probe_due: bool | None) -> bool:
+        """Whether this step drafts siblings. phase: the budget's phase ("warmup" selects spines only, the gates
+        calibrate on them; "profile" must see tree steps to price them); probe_due: the depth plan probes now
+        (None: there is no depth plan, looks come from this schedule's own clock)."""
+        look, self.look_next = self.look_next, False
+        if phase == "warmup":
+            return False
+        if phase == "profile":
+            return True
+        if probe_due is None:
+            self.clock += 1
+            look = self.clock % max(1, self.interval) == 0
+        return self.steps_without_width < self.patience or bool(probe_due) or look
+
+    def after_plan(self, probe: bool) -> None:
+        """This step's plan is known: after a probe, the next step looks (the budget decides on fresh data)."""
+        self.look_next = self.look_next or probe
+
+    def observe(self, bought_width: bool, probe: bool) -> None:
+        """A tree-drafting step's selection: bought_width = some verified node is off the spine."""
+        if probe:
+            return
+        self.steps_without_width = 0 if bought_width else self.steps_without_width + 1

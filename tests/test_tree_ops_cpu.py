@@ -123,11 +123,16 @@ CASES = [
 
 
 @needs_ops
+@pytest.mark.parametrize("isa", ["native", "baseline"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dtype", "softcap"), CASES, ids=[f"h{h}kv{k}-{d}-{c}" for h, k, d, c in CASES]
 )
-def test_compiled_fix_rows_match_the_torch_path_and_the_dense_reference(seed, heads, kv_heads, dtype, softcap):
+def test_compiled_fix_rows_match_the_torch_path_and_the_dense_reference(
+    seed, heads, kv_heads, dtype, softcap, isa, monkeypatch
+):
+    if isa == "baseline":  # the build machines without AVX2 run (see the test below)
+        monkeypatch.setenv("ECHO_TREE_BASELINE_ISA", "1")
     batch, kv_cache, query, meta, ctx = random_step(seed, heads, kv_heads, dtype)
     scale = 1 / math.sqrt(HEAD)
     impl = tree_attn_cpu.EchoTreeCPUAttentionImpl(
@@ -234,11 +239,18 @@ def dense_with_maps(batch, kv_cache, query, meta, ctx, scale, kmap, vmap) -> tor
 
 
 @needs_ops
+@pytest.mark.parametrize("isa", ["native", "baseline"])
 @pytest.mark.parametrize("kind", ["transposed", "shuffled"])
-@pytest.mark.parametrize(("head", "dtype"), [(40, torch.float32), (64, torch.bfloat16), (24, torch.float32)])
-def test_both_kernel_paths_match_a_dense_reference_at_any_head_size(kind, head, dtype):
+@pytest.mark.parametrize(
+    ("head", "dtype"), [(40, torch.float32), (64, torch.bfloat16), (24, torch.float32), (96, torch.float32)]
+)
+def test_both_kernel_paths_match_a_dense_reference_at_any_head_size(kind, head, dtype, isa, monkeypatch):
     """The fast path (vLLM's layout, found at run time) and the generic one (any other page layout) give the same
-    rows as a dense masked attention; head sizes that are not a multiple of the fast path's 16-float chunks too."""
+    rows as a dense masked attention; head sizes that are not a multiple of the fast path's chunks (16 floats in
+    the baseline build, 32 in the AVX2 one) too. isa "baseline" forces the build that machines without AVX2 run
+    (ECHO_TREE_BASELINE_ISA=1); "native" is the AVX2 build where the CPU has it."""
+    if isa == "baseline":
+        monkeypatch.setenv("ECHO_TREE_BASELINE_ISA", "1")
     heads, kv_heads = 4, 2
     batch, kv_cache, query, meta, ctx = random_step(7, heads, kv_heads, dtype)
     g = torch.Generator().manual_seed(11)

@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from echo_vllm.vllm.tree_state import TreeBatch, TreeMismatchError, TreePlan, build_tree_batch, compaction_rows
+from echo_vllm.vllm.tree_state import (
+    TreeBatch,
+    TreeMismatchError,
+    TreePlan,
+    build_tree_batch,
+    compaction_rows,
+    tree_columns,
+)
 
 # Request 0: spine 5 -> 6 -> 7, then 8 (a sibling of 5) and 9 (a sibling of 6). Request 1: nothing. Request 2: a chain.
 TREE = TreePlan((5, 6, 7, 8, 9), (-1, 0, 1, -1, 0))
@@ -65,3 +72,35 @@ def test_plans_check_their_topology():
         TreePlan((1, 2), (1, -1)).validate()
     with pytest.raises(ValueError, match="capacity"):
         TreePlan(tuple(range(64)), tuple(range(-1, 63)))
+
+
+def _columns_one_by_one(parent: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The reference: one column at a time in position order (parents precede their children)."""
+    num_reqs, width = parent.shape
+    depth, bits = np.zeros_like(parent), np.zeros_like(parent)
+    pure = np.zeros(parent.shape, dtype=bool)
+    for i in range(num_reqs):
+        for j in range(width):
+            p = int(parent[i, j])
+            if p < -1:
+                continue
+            depth[i, j] = 1 if p == -1 else depth[i, p] + 1
+            bits[i, j] = (0 if p == -1 else bits[i, p]) | (1 << j)
+            pure[i, j] = p == j - 1 and (j == 0 or pure[i, j - 1])
+    return depth, bits, pure
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_tree_columns_match_a_node_by_node_walk(seed):
+    rng = np.random.default_rng(seed)
+    num_reqs, width = int(rng.integers(1, 9)), int(rng.integers(1, 64))
+    parent = np.full((num_reqs, width), -2, dtype=np.int64)
+    for i in range(num_reqs):
+        n = int(rng.integers(0, width + 1))
+        spine = int(rng.integers(0, n + 1))  # a chain prefix, then random parents that precede their children
+        for j in range(n):
+            parent[i, j] = j - 1 if j < spine else int(rng.integers(-1, j))
+    got = tree_columns(parent)
+    want = _columns_one_by_one(parent)
+    for g, w in zip(got, want):
+        assert g.tolist() == w.tolist()

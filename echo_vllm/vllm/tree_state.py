@@ -167,20 +167,7 @@ def build_tree_batch(
             parent[i, :n] = plan.parent_local[:n]
             tokens[i, :n] = drafts
     real = parent >= -1
-    # Depth and ancestor-or-self bits, level by level (parents precede children: one pass in position order).
-    depth = np.zeros_like(parent)
-    bits = np.zeros_like(parent)
-    pure = np.zeros(parent.shape, dtype=bool)  # ancestors == every row before it (causal attention is exact)
-    rows = np.arange(num_reqs)
-    for j in range(width):
-        p = parent[:, j]
-        has = real[:, j]
-        at_root = p == -1
-        pj = np.clip(p, 0, None)
-        depth[:, j] = np.where(has, np.where(at_root, 1, depth[rows, pj] + 1), 0)
-        bits[:, j] = np.where(has, np.where(at_root, 0, bits[rows, pj]) | (np.int64(1) << j), 0)
-        prev_pure = pure[:, j - 1] if j else np.ones(num_reqs, dtype=bool)
-        pure[:, j] = has & (p == j - 1) & prev_pure
+    depth, bits, pure = tree_columns(parent)
     fix = real & ~pure
     fix_req, fix_pos = np.nonzero(fix)
     root = root_row[:num_reqs].astype(np.int64)
@@ -203,6 +190,33 @@ def build_tree_batch(
         tree_positions=ctx[req_of] + depth[req_of, pos_of],
         linear_positions=ctx[req_of] + 1 + pos_of,
     )
+
+
+def tree_columns(parent: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(depth, ancestor-or-self bits, pure) [B, N] of spine-first parent arrays (padding: parent -2 -> 0, 0,
+    False). pure: the row's ancestors are exactly the rows before it (the causal kernel is exact for it).
+
+    Vectorised over the batch and the nodes: pure is a running AND along the row, depth and bits come by walking
+    every node's ancestor pointer up one level per round (as many rounds as the deepest node, not one per column:
+    the per-column loop cost ~0.3 ms for a 16-node tree on the CPU testbed)."""
+    num_reqs, width = parent.shape
+    real = parent >= -1
+    cols = np.arange(width, dtype=np.int64)
+    pure = np.logical_and.accumulate(real & (parent == cols - 1), axis=1)
+    own = np.where(real, np.left_shift(np.int64(1), cols), np.int64(0))
+    bits = own.copy()
+    depth = real.astype(np.int64)
+    ancestor = np.where(real, parent, -1)
+    rows = np.arange(num_reqs)[:, None]
+    for _ in range(width):  # a path has at most `width` nodes (bounded even for a plan that breaks the order)
+        up = ancestor >= 0
+        if not up.any():
+            break
+        at = np.clip(ancestor, 0, None)
+        bits |= np.where(up, own[rows, at], 0)
+        depth += up
+        ancestor = np.where(up, parent[rows, at], -1)
+    return depth, bits, pure
 
 
 def compaction_rows(batch: TreeBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -640,3 +640,38 @@ def test_a_step_that_verified_nothing_is_a_plain_step_in_hindsight():
     off = fresh(plain_hindsight=False)
     off.observe_plain(2)
     assert off.controller.value == [None] * 4
+
+
+def test_the_width_model_tells_small_confidences_apart():
+    """Siblings mostly have small path confidences: in 16 linear bins 0.05 and 0.002 share the first bin (and its
+    pooled rate); the width model's log-scale bins keep them apart, so it learns that one is worth verifying."""
+    from echo_vllm.core.acceptance import WIDTH_LOG_FLOOR
+    from echo_vllm.core.tree_order import spine_sibling_tree
+
+    n = 400
+    conf = torch.cat([torch.full((n,), 0.05), torch.full((n,), 0.002)])
+    accepted = torch.zeros(2 * n, dtype=torch.bool)
+    accepted[: n // 5] = True  # the 0.05 siblings: 20 % accepted; the 0.002 ones never
+    models = {
+        "linear": AcceptanceModel(2),
+        "log": AcceptanceModel(2, log_floor=WIDTH_LOG_FLOOR),
+    }
+    spine = AcceptanceModel(2)
+    spine.record(torch.full((n, 2), 0.9), torch.ones((n, 2), dtype=torch.bool), torch.ones((n, 2), dtype=torch.bool))
+    spine.refresh()
+    # One request, depth 2, top_k 3: depth-1 siblings of confidence 0.05 and 0.002.
+    logprobs = torch.log(torch.tensor([[[0.9, 0.05, 0.002], [0.9, 0.05, 0.002]]]))
+    tree = spine_sibling_tree(torch.tensor([[[1, 2, 3], [4, 5, 6]]]), logprobs)
+    depth1 = (tree.depth[0] == 1) & ~tree.spine[0]
+    gains = {}
+    for name, model in models.items():
+        model.record_nodes(torch.ones(2 * n, dtype=torch.long), conf, accepted)
+        model.refresh()
+        gains[name] = spine.node_gain(tree, 2, width=model)[0, depth1].tolist()
+    assert gains["linear"][0] == pytest.approx(gains["linear"][1])  # one bin: one rate (~10 %)
+    high, low = gains["log"]
+    assert high == pytest.approx(0.2, abs=0.03) and low == pytest.approx(0.0, abs=0.01)
+    again = AcceptanceModel.from_json_dict(models["log"].to_json_dict(), 2)  # the floor survives JSON
+    assert again.log_floor == WIDTH_LOG_FLOOR and torch.equal(again.table, models["log"].table)
+    with pytest.raises(ValueError, match="log_floor"):
+        AcceptanceModel(2, log_floor=1.5)

@@ -15,18 +15,27 @@ which the proposer calls at its refit points, so every TP rank uses the same tab
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 DEFAULT_BINS = 16
 DEFAULT_PRIOR_STRENGTH = 4.0
+# The width model's bins (`log_floor`): nodes off the spine have small path confidences (on the testbed at batch 1,
+# most below 1/16, i.e. all in the first of 16 linear bins, accepted ~5 % there on average while those in the
+# second bin were accepted ~24 % of the time), so its bins are equal in log2(c) over [2^-8, 1].
+WIDTH_LOG_FLOOR = 2.0**-8
 
 
-def confidence_bins(confidence: torch.Tensor, num_bins: int) -> torch.Tensor:
-    """The table column of each confidence: floor(c x bins) of c clamped to [0, 1] (NaN: 0), the top bin closed."""
+def confidence_bins(confidence: torch.Tensor, num_bins: int, log_floor: float | None = None) -> torch.Tensor:
+    """The table column of each confidence: floor(c x bins) of c clamped to [0, 1] (NaN: 0), the top bin closed.
+    log_floor f: bins of equal width in log2(c) over [f, 1] instead (everything below f in the first)."""
     c = torch.nan_to_num(confidence.to(torch.float32), nan=0.0).clamp(0.0, 1.0)
-    return (c * num_bins).long().clamp(max=num_bins - 1)
+    if log_floor is not None:
+        span = -math.log2(log_floor)
+        c = (torch.log2(c.clamp(min=log_floor)) + span) / span  # [0, 1] on the log scale
+    return (c * num_bins).long().clamp(min=0, max=num_bins - 1)
 
 
 class AcceptanceModel:
@@ -37,20 +46,26 @@ class AcceptanceModel:
         num_bins: int = DEFAULT_BINS,
         prior_strength: float = DEFAULT_PRIOR_STRENGTH,
         device: torch.device | str = "cpu",
+        log_floor: float | None = None,
     ) -> None:
         if max_depth < 1 or num_bins < 1 or prior_strength <= 0:
             raise ValueError("AcceptanceModel needs max_depth >= 1, num_bins >= 1 and prior_strength > 0")
+        if log_floor is not None and not 0.0 < log_floor < 1.0:
+            raise ValueError(f"AcceptanceModel log_floor must be in (0, 1); got {log_floor}")
         self.max_depth = max_depth
         self.num_bins = num_bins
         self.prior_strength = float(prior_strength)
+        self.log_floor = log_floor
         self.device = torch.device(device)
         self.accepted = torch.zeros((max_depth, num_bins), dtype=torch.float64, device=self.device)
         self.seen = torch.zeros((max_depth, num_bins), dtype=torch.float64, device=self.device)
-        self.centres = (torch.arange(num_bins, dtype=torch.float64, device=self.device) + 0.5) / num_bins
+        # Each bin's prior: its centre (log bins: the geometric centre).
+        mid = (torch.arange(num_bins, dtype=torch.float64, device=self.device) + 0.5) / num_bins
+        self.centres = mid if log_floor is None else torch.exp2((mid - 1.0) * -math.log2(log_floor))
         self.table = self.centres.to(torch.float32).expand(max_depth, num_bins).clone()
 
     def _bins(self, confidence: torch.Tensor) -> torch.Tensor:
-        return confidence_bins(confidence, self.num_bins)
+        return confidence_bins(confidence, self.num_bins, self.log_floor)
 
     def record(self, confidence: torch.Tensor, accepted: torch.Tensor, recorded: torch.Tensor) -> None:
         """Add samples: confidence, accepted, recorded [B, D] (recorded = the depth was verified for the row)."""
@@ -103,8 +118,8 @@ class AcceptanceModel:
         row = (depth - 1).clamp(0, self.max_depth - 1)
         bins = self._bins(conf)
         p = table[row, bins]
-        if width is not None:
-            p = torch.where(tree.spine, p, width.table.to(scores.device)[row, bins])
+        if width is not None:  # its own table and bins
+            p = torch.where(tree.spine, p, width.table.to(scores.device)[row, width._bins(conf)])
         p = torch.where(usable, p, torch.zeros_like(conf))
         if chain:  # one node per depth, depth-major: the parent is the node to the left
             return torch.cummin(p, dim=1).values
@@ -121,6 +136,7 @@ class AcceptanceModel:
         return {
             "num_bins": self.num_bins,
             "prior_strength": self.prior_strength,
+            **({"log_floor": self.log_floor} if self.log_floor is not None else {}),
             "accepted": self.accepted.cpu().tolist(),
             "seen": self.seen.cpu().tolist(),
         }
@@ -129,8 +145,13 @@ class AcceptanceModel:
     def from_json_dict(
         cls, data: dict[str, Any], max_depth: int, device: torch.device | str = "cpu"
     ) -> AcceptanceModel:
+        floor = data.get("log_floor")
         model = cls(
-            max_depth, num_bins=int(data["num_bins"]), prior_strength=float(data["prior_strength"]), device=device
+            max_depth,
+            num_bins=int(data["num_bins"]),
+            prior_strength=float(data["prior_strength"]),
+            device=device,
+            log_floor=None if floor is None else float(floor),
         )
         accepted = torch.tensor(data["accepted"], dtype=torch.float64)
         seen = torch.tensor(data["seen"], dtype=torch.float64)

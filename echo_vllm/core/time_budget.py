@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .acceptance import AcceptanceModel
+from .acceptance import WIDTH_LOG_FLOOR, AcceptanceModel
 from .auto_budget import DraftController, DraftPlan, priority_rank, select_auto, select_by_rank
 from .budget import BudgetSelection
 from .budget_profile import load_profile, save_profile
@@ -74,8 +74,8 @@ class TimeAwareBudget:
         )
         self.acceptance = AcceptanceModel(max_depth, device=device)
         # Trees: the nodes off the spine, learned online from the tree steps (not saved: the prior is the node's own
-        # path confidence, which a few hundred verified siblings correct).
-        self.width_acceptance = AcceptanceModel(max_depth, device=device)
+        # path confidence, which a few hundred verified siblings correct), in bins on the log scale.
+        self.width_acceptance = AcceptanceModel(max_depth, device=device, log_floor=WIDTH_LOG_FLOOR)
         self.cost_model: CostModel | None = None
         self.samples = StepSamples()
         self.source = "none"

@@ -675,3 +675,46 @@ def test_the_width_model_tells_small_confidences_apart():
     assert again.log_floor == WIDTH_LOG_FLOOR and torch.equal(again.table, models["log"].table)
     with pytest.raises(ValueError, match="log_floor"):
         AcceptanceModel(2, log_floor=1.5)
+
+
+def test_a_tree_probe_verifies_every_spine_node_and_one_requests_siblings():
+    """A tree probe measures every depth (all valid spine nodes, as a chain probe) and feeds the width model with
+    the best-scored siblings only: one request's worth, not B x D x (top_k - 1) (242 nodes at batch 32)."""
+    from echo_vllm.core.auto_budget import tree_probe_selection
+    from echo_vllm.core.time_budget import TimeAwareBudget, tree_probe_cap
+    from echo_vllm.core.tree_order import spine_sibling_tree
+
+    g = torch.Generator().manual_seed(3)
+    batch, depth, k = 6, 3, 4
+    logprobs = torch.log_softmax(torch.randn(batch, depth, k, generator=g) * 2, dim=-1).sort(dim=-1, descending=True)
+    ids = torch.arange(batch * depth * k).view(batch, depth, k)
+    kept = torch.ones(batch, dtype=torch.bool)
+    kept[4] = False  # a row with no drafts (e.g. a partial prefill)
+    tree = spine_sibling_tree(ids, logprobs.values, kept)
+    siblings = depth * (k - 1)
+    selection = tree_probe_selection(tree, siblings)
+    chosen = selection.selected
+    usable = tree.valid & ~torch.isnan(tree.scores)
+    assert torch.equal(chosen & tree.spine, usable & tree.spine)  # every usable spine node
+    off = chosen & ~tree.spine
+    assert int(off.sum()) == siblings
+    # ... and they are the best-scored siblings of the batch.
+    worst_in = tree.scores[off].min()
+    best_out = tree.scores[usable & ~tree.spine & ~chosen].max()
+    assert worst_in >= best_out
+    # Ancestor-closed: every chosen node's parent is chosen.
+    parent = tree.parent.long()
+    has_parent = chosen & (parent >= 0)
+    assert torch.gather(chosen, 1, parent.clamp(min=0))[has_parent].all()
+    assert tree_probe_cap(batch, depth, k) == batch * depth + siblings
+
+    # The plan of a probe in tree mode carries that cap; a chain probe's stays B x D.
+    from echo_vllm.core.cost_model import CostModel
+
+    budget = TimeAwareBudget(depth, profile_steps=0, probe_interval=1, surplus_tail=True, profile_path=None)
+    budget.cost_model = CostModel((1.0, 2.0, 4.0), (1.0, 1.0, 1.0), 0.0, (0.0,) * 4, 0.0, depth)
+    tree_plan = budget.plan(batch, k, False, warmup_cap=0)
+    assert tree_plan.probe and tree_plan.k_cap == tree_probe_cap(batch, tree_plan.depth, k)
+    budget.controller.observe(0)
+    chain_plan = budget.plan(batch, 1, False, warmup_cap=0)
+    assert chain_plan.probe and chain_plan.k_cap == batch * chain_plan.depth

@@ -98,10 +98,11 @@ def test_auto_greedy_identical_through_every_phase(prompts, tmp_path, max_num_se
         assert any(sum(c == s["drafted_depth"] for c in s["counts"]) >= 3 for s in probed)
     else:
         assert not probed
-    # A probe verifies every draft of its depth: its cap is B x nodes per depth x its depth.
+    # A chain probe verifies every draft of its depth: its cap is B x its depth. A tree probe verifies every spine
+    # node and one request's worth of siblings (its depth x (top_k - 1)), not B x depth x top_k.
     probes = [s for s in auto_steps if s["probe"]]
-    nodes = lambda s: top_k if s["tree_step"] else 1  # noqa: E731
-    assert all(s["k_cap"] == s["batch"] * nodes(s) * s["draft_depth"] for s in probes if s["probe_rows"] == 0)
+    cap = lambda s: s["batch"] * s["draft_depth"] + s["draft_depth"] * (top_k - 1 if s["tree_step"] else 0)  # noqa: E731
+    assert all(s["k_cap"] == cap(s) and s["sum"] <= s["k_cap"] for s in probes if s["probe_rows"] == 0)
     if next_probes:  # one deeper than the best measured depth (full depth while the slot is unmeasured)
         best = [max(range(DEPTH + 1), key=lambda d: (s["depth_values"][d], -d)) for s in probes]
         assert probes and all(

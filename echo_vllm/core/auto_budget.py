@@ -67,6 +67,26 @@ def select_by_rank(
     return compact_selection(eligible & (rank < k), tree.depth, tree.parent)
 
 
+def tree_probe_selection(tree: DraftTree, siblings: int) -> BudgetSelection:
+    """A tree probe's selection: every valid spine node (each depth measured for the depth plan's hindsight, as a
+    chain probe does) and the `siblings` best-scored valid nodes off the spine (the width model's samples).
+
+    A probe used to verify every drafted node: B x D x top_k, 242 nodes at batch 32 on the testbed, a step of 110 ms
+    against 45 ms for a chain step, every probe_interval steps. The siblings a budget would consider are the
+    best-scored ones, so those are the samples worth their cost; a spine-sibling tree's siblings hang off spine
+    nodes, so the selection is ancestor-closed. Deterministic for equal inputs (every TP rank selects alike)."""
+    usable = tree.valid & ~torch.isnan(tree.scores)
+    off_spine = usable & ~tree.spine
+    flat = torch.where(off_spine, tree.scores.float(), torch.full_like(tree.scores.float(), float("-inf")))
+    flat = flat.reshape(-1)
+    chosen = torch.zeros(flat.shape, dtype=torch.bool, device=flat.device)
+    count = min(max(siblings, 0), flat.numel())
+    if count:
+        chosen[torch.topk(flat, count, sorted=False).indices] = True
+    selected = (usable & tree.spine) | (chosen.reshape(off_spine.shape) & off_spine)
+    return compact_selection(selected, tree.depth, tree.parent)
+
+
 def in_rank_order(rank: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """[B * N]: position j holds the value of the node of rank j."""
     flat_rank = rank.reshape(-1)

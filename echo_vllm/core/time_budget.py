@@ -21,7 +21,14 @@ from typing import Any
 import torch
 
 from .acceptance import WIDTH_LOG_FLOOR, AcceptanceModel
-from .auto_budget import DraftController, DraftPlan, priority_rank, select_auto, select_by_rank
+from .auto_budget import (
+    DraftController,
+    DraftPlan,
+    priority_rank,
+    select_auto,
+    select_by_rank,
+    tree_probe_selection,
+)
 from .budget import BudgetSelection
 from .budget_profile import load_profile, save_profile
 from .cost_model import MAX_KNOT_EXPONENT, CostModel, StepSample, StepSamples, fit_cost_model, vector_length
@@ -44,6 +51,12 @@ Share = Callable[[Sequence[float]], list[float]]
 
 def _no_share(values: Sequence[float]) -> list[float]:
     return [float(v) for v in values]
+
+
+def tree_probe_cap(batch: int, depth: int, nodes_per_depth: int) -> int:
+    """Nodes a tree probe verifies: every request's spine to `depth`, plus one request's worth of siblings
+    (`tree_probe_selection`)."""
+    return batch * depth + depth * (nodes_per_depth - 1)
 
 
 class TimeAwareBudget:
@@ -106,7 +119,10 @@ class TimeAwareBudget:
         phase = self.phase(warming_up)
         ceiling = batch * self.max_depth * nodes_per_depth
         if phase == "auto":
-            return self.controller.plan(batch, ceiling)
+            plan = self.controller.plan(batch, ceiling)
+            if plan.probe and nodes_per_depth > 1:  # a tree probe: the spines and one request's siblings
+                plan = plan._replace(k_cap=tree_probe_cap(batch, plan.depth, nodes_per_depth))
+            return plan
         if phase == "profile":
             self.profile_done += 1
             d = self.max_depth
@@ -140,6 +156,11 @@ class TimeAwareBudget:
             rank, eligible = priority_rank(tree, gates, self.surplus_tail)
             fraction = PROFILE_FRACTIONS[(self.profile_done - 1) % len(PROFILE_FRACTIONS)]
             return select_by_rank(tree, rank, eligible, (eligible.sum() * fraction).floor().long()), None
+        if plan.probe and not chain:
+            # One request's siblings: a spine-sibling tree has N = depth x top_k nodes per request (no host sync).
+            selection = tree_probe_selection(tree, tree.scores.shape[1] - depth)
+            gains = self.acceptance.node_gain(tree, depth, False, self.width_acceptance)
+            return selection, (gains * selection.selected).sum(dtype=torch.float64)
         rest_s, draft_s = self.curves(batch, tree.scores.numel(), depth, plan.depth, tree.scores.device)
         auto = select_auto(
             tree,

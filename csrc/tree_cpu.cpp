@@ -165,30 +165,15 @@ inline void softmax_row(const TaskView& t, int64_t qi, float max_logit, float* l
 template <typename scalar_t>
 void fix_task_baseline(const scalar_t* c_ptr, int64_t c_s0, int64_t c_s1, const int64_t* bt_row,
                        int64_t block_size, int64_t head_size, const AffineLayout& kl, const AffineLayout& vl,
-                           int64_t h, int64_t ctx, int64_t num_keys, const float* q_buf, int64_t num_q,
-                           const int64_t* row_bits, int64_t group, float fscale, float cap, std::vector<float>& logits,
-                           std::vector<float>& k_t, std::vector<float>& acc, std::vector<float>& v_rows) {
+                       int64_t h, int64_t ctx, int64_t num_keys, const float* q_buf, int64_t num_q,
+                       const int64_t* row_bits, int64_t group, float fscale, float cap, std::vector<float>& logits,
+                       std::vector<float>& k_t, std::vector<float>& acc, std::vector<float>& v_rows) {
   // Logits of every query row in chunks of kChunk keys: a chunk's sums stay in registers over the d loop (a
   // plain lg[p] += q[d] k[d][p] sweep stores the whole row once per d and is store-bound). K's rows are padded
   // with zeros to whole chunks.
   constexpr int64_t kChunk = 16;
   const int64_t padded = (num_keys + kChunk - 1) / kChunk * kChunk;
-  k_t.assign(head_size * padded, 0.f);
-  v_rows.resize(num_keys * head_size);
-  for (int64_t p0 = 0; p0 < num_keys; p0 += block_size) {
-    const int64_t n = std::min(block_size, num_keys - p0);
-    const scalar_t* page = c_ptr + bt_row[p0 / block_size] * c_s0 + h * c_s1;
-    for (int64_t d = 0; d < head_size; ++d) {
-      const scalar_t* col = page + kl.base + d * kl.d_stride;
-      float* dst = k_t.data() + d * padded + p0;
-      for (int64_t t = 0; t < n; ++t) dst[t] = static_cast<float>(col[t]);
-    }
-    for (int64_t t = 0; t < n; ++t) {
-      const scalar_t* row = page + vl.base + t * vl.t_stride;
-      float* dst = v_rows.data() + (p0 + t) * head_size;
-      for (int64_t d = 0; d < head_size; ++d) dst[d] = static_cast<float>(row[d]);
-    }
-  }
+  convert_kv<scalar_t>(c_ptr, c_s0, c_s1, bt_row, block_size, head_size, kl, vl, h, num_keys, padded, k_t, v_rows);
   logits.resize(num_q * padded);
   for (int64_t c0 = 0; c0 < padded; c0 += kChunk) {
     for (int64_t qi = 0; qi < num_q; ++qi) {
@@ -203,31 +188,11 @@ void fix_task_baseline(const scalar_t* c_ptr, int64_t c_s0, int64_t c_s1, const 
     }
   }
   acc.assign(num_q * head_size, 0.f);
+  const TaskView view{q_buf, k_t.data(), v_rows.data(), num_q, num_keys, padded, head_size, ctx, group,
+                      row_bits, fscale, cap};
   for (int64_t qi = 0; qi < num_q; ++qi) {
     float* lg = logits.data() + qi * padded;
-    // Visible: positions 0..ctx (context and root), then draft j (position ctx + 1 + j) iff bit j of the row.
-    const int64_t bits = row_bits[qi / group];
-    float max_logit = -std::numeric_limits<float>::infinity();
-    for (int64_t p = 0; p < num_keys; ++p) {
-      float s = lg[p] * fscale;
-      if (cap > 0.f) s = cap * std::tanh(s / cap);
-      lg[p] = s;
-      const bool visible = p <= ctx || ((bits >> (p - ctx - 1)) & 1);
-      if (visible) max_logit = std::max(max_logit, s);
-    }
-    float total = 0.f;
-    for (int64_t p = 0; p <= ctx && p < num_keys; ++p) {
-      const float w = exp_nonpositive(lg[p] - max_logit);
-      lg[p] = w;
-      total += w;
-    }
-    for (int64_t p = ctx + 1; p < num_keys; ++p) {
-      const float w = ((bits >> (p - ctx - 1)) & 1) ? exp_nonpositive(lg[p] - max_logit) : 0.f;
-      lg[p] = w;
-      total += w;
-    }
-    const float inv = 1.f / total;
-    for (int64_t p = 0; p < num_keys; ++p) lg[p] *= inv;  // the softmax weights, as the reference's softmax gives
+    softmax_row(view, qi, scale_row(view, qi, lg), lg);
     // The output in chunks of kChunk dims, each chunk's sums in registers over the keys (as the logits above).
     float* a = acc.data() + qi * head_size;
     int64_t c0 = 0;

@@ -1,73 +1,86 @@
 #!/usr/bin/env bash
-# Device check of the compiled budget op on a GPU machine (torch with CUDA + nvcc; no vLLM, no network needed):
-#   1. build echo_vllm._C with its CUDA kernel in place (pip install --no-deps --no-build-isolation -e .);
-#   2. the equivalence tests against the torch reference, gpu-marked ones included (ECHO_REQUIRE_CSRC=1: a
-#      missing build fails instead of skipping);
-#   3. the benchmark (CPU and CUDA), JSON to ${OUT:-.}/bench_device.json, and a short table.
+# Device checks on a GPU machine (torch with CUDA + nvcc; no vLLM, no network needed), in one call:
+#   1. the GPU tests that need no build: the CUDA tree fix-up's torch parts (tests/test_tree_attn_split.py: the
+#      split recompute on CUDA vs the dense reference, no host sync) and the chain step's torch twins on CUDA
+#      (tests/test_chain_select.py: same selection as the CPU specification, draft steps never sync);
+#   2. cost breakdowns: the tree fix-up per layer on Llama-8B attention shapes (scripts/time_tree_fix_cuda.py)
+#      and the verification cost of an 8B-shaped layer under CUDA graphs (scripts/time_verify_cost_cuda.py);
+#   3. build echo_vllm._C with its CUDA kernel in place (pip install --no-deps --no-build-isolation -e .), its
+#      equivalence tests, gpu-marked ones included (ECHO_REQUIRE_CSRC=1: a missing build fails instead of
+#      skipping), and the budget-op benchmark (CPU and CUDA).
+# Everything lands under ${OUT:-.}: device_*.log and *.json. A short summary is printed last.
 # Usage: scripts/device_check.sh            (PYTHON=/path/to/python to pick the interpreter)
-# Budget: under 8 minutes on an H100/H200 class machine (each step has its own timeout).
-set -euo pipefail
+# Budget: about 8 minutes on an H200 (each step has its own timeout; the build is the slow part).
+set -uo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
 OUT_DIR=${OUT:-.}
-export ECHO_REQUIRE_CSRC=1
-export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export MAX_JOBS=${MAX_JOBS:-$(nproc)} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 t0=$(date +%s)
+declare -A RC
 step() { echo; echo "== [$(( $(date +%s) - t0 ))s] $*"; }
+run() {  # run NAME TIMEOUT CMD...: output to $OUT_DIR/device_NAME.log, tail shown, rc kept for the summary
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" "$@" >"$OUT_DIR/device_$name.log" 2>&1
+  RC[$name]=$?
+  tail -n 25 "$OUT_DIR/device_$name.log"
+}
 
 step "environment"
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-"$PY" - <<'PY'
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+"$PY" -c "
 import torch
-print(f"torch {torch.__version__} cuda={torch.version.cuda} device={torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}")
-assert torch.cuda.is_available(), "no CUDA device visible to torch"
-assert torch.version.cuda, "torch is not a CUDA build"
-for mod in ("pytest", "hypothesis"):
-    __import__(mod)
-PY
+print(f'torch {torch.__version__} cuda={torch.version.cuda} device={torch.cuda.get_device_name(0)}')
+import pytest, hypothesis, numpy, transformers; print('pytest', pytest.__version__, 'numpy', numpy.__version__)
+" || { echo "no usable CUDA torch"; exit 1; }
+
+step "GPU tests without a build (tree split recompute, chain twins)"
+run tests_torch 150 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_tree_attn_split.py tests/test_chain_select.py
+
+step "tree fix-up cost per layer (Llama-8B attention shapes)"
+run tree_fix 120 "$PY" scripts/time_tree_fix_cuda.py --json "$OUT_DIR/tree_fix_cuda.json"
+
+step "verification cost under CUDA graphs (8B-shaped layer)"
+run verify_cost 150 "$PY" scripts/time_verify_cost_cuda.py --json "$OUT_DIR/verify_cost_cuda.json"
 
 step "build (pip install --no-deps --no-build-isolation -e .)"
 b0=$(date +%s)
-timeout 300 "$PY" -m pip install --no-deps --no-build-isolation -e . >"$OUT_DIR/device_build.log" 2>&1 \
-  || { tail -n 60 "$OUT_DIR/device_build.log"; echo "BUILD FAILED"; exit 1; }
-build_s=$(( $(date +%s) - b0 ))
-echo "built in ${build_s}s"
+run build 240 "$PY" -m pip install --no-deps --no-build-isolation -e .
+echo "build rc=${RC[build]} in $(( $(date +%s) - b0 ))s"
 "$PY" -c "
 import echo_vllm.ops as ops
 impl = ops.active_implementation(); print(impl)
 assert impl['cpu'] == 'csrc' and impl['cuda'] == 'csrc', impl
 "
+RC[build_check]=$?
 
-step "equivalence tests (cpu + gpu)"
-tests_rc=0
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_ops_budget.py tests/test_ops_build.py \
-  2>&1 | tee "$OUT_DIR/device_tests.log" | tail -n 30 || tests_rc=$?
-grep -E "passed|failed|error" "$OUT_DIR/device_tests.log" | tail -n 1 || true
+step "budget op equivalence tests (cpu + gpu)"
+run tests_ops 120 env ECHO_REQUIRE_CSRC=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_ops_budget.py tests/test_ops_build.py
 
-step "benchmark"
-bench_rc=0
-timeout 150 "$PY" -m echo_vllm.cli bench ops --json "$OUT_DIR/bench_device.json" || bench_rc=$?
+step "budget op benchmark"
+run bench_ops 90 "$PY" -m echo_vllm.cli bench ops --json "$OUT_DIR/bench_device.json"
 
 step "summary"
-"$PY" - "$OUT_DIR/bench_device.json" "$build_s" "$tests_rc" "$bench_rc" <<'PY'
+for name in tests_torch tree_fix verify_cost build build_check tests_ops bench_ops; do
+  printf '%-12s rc=%s  %s\n' "$name" "${RC[$name]:-not run}" \
+    "$(grep -E '[0-9]+ (passed|failed)' "$OUT_DIR/device_$name.log" 2>/dev/null | tail -n 1)"
+done
+"$PY" - "$OUT_DIR/bench_device.json" <<'PY'
 import json, sys
-path, build_s, tests_rc, bench_rc = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-print(f"build {build_s}s | tests {'ok' if tests_rc == 0 else f'FAILED rc={tests_rc}'} | bench {'ok' if bench_rc == 0 else f'FAILED rc={bench_rc}'}")
 try:
-    rows = json.load(open(path))["results"]
-except (OSError, ValueError):
+    rows = json.load(open(sys.argv[1]))["results"]
+except (OSError, ValueError, KeyError):
     rows = []
-print(f"{'device':>6} {'B':>4} {'N':>4} {'ref_us':>10} {'op_us':>8} {'graph_us':>9} {'ratio':>7}  match")
 for r in rows:
-    g = r.get("op_graph_us")
-    print(f"{r['device']:>6} {r['B']:>4} {r['N']:>4} {r['reference_us']:10.1f} {r['op_us']:8.1f} "
-          f"{(f'{g:9.1f}' if g is not None else '        -')} {r['ratio']:6.1f}x  {r['match']}")
-target = [r for r in rows if r["device"] == "cuda" and r["B"] == 256 and r["N"] == 64]
-if target:
-    r = target[0]
-    print(f"goal B=256 N=64 on cuda: op {r['op_us']:.1f} us (graph {r.get('op_graph_us') or float('nan'):.1f} us), target <= 20 us")
+    if r["device"] == "cuda":
+        g = r.get("op_graph_us")
+        print(f"budget op cuda B={r['B']:>4} N={r['N']:>4}: ref {r['reference_us']:.1f} us, op {r['op_us']:.1f} us, "
+              f"graph {g if g is None else round(g, 1)} us, match {r['match']}")
 PY
 echo "total $(( $(date +%s) - t0 ))s"
-exit $(( tests_rc != 0 || bench_rc != 0 ))
+fail=0
+for v in "${RC[@]}"; do [ "$v" = 0 ] || fail=1; done
+exit $fail

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from echo_vllm.core.acceptance import AcceptanceModel
 from echo_vllm.core.auto_budget import DraftPlan
 from echo_vllm.core.budget import add_surplus_tails
-from echo_vllm.core.chain_select import chain_gates, chain_inputs, chain_select_reference, chain_tree
+from echo_vllm.core.chain_select import ChainInputs, chain_gates, chain_inputs, chain_select_reference, chain_tree
 from echo_vllm.core.cost_model import CostModel
 from echo_vllm.core.gating import Gates, depth_confidence
 from echo_vllm.core.time_budget import TimeAwareBudget
@@ -258,3 +258,51 @@ def test_draft_topk_logp_nan_and_dead_rows_give_no_log_prob_and_bad_k_one_line()
     for bad in (0, 9):
         with pytest.raises(ValueError, match="top_k"):
             chain_ops.draft_topk_logp(logits, bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fixed", [True, False])
+def test_cuda_selection_equals_the_cpu_specification(fixed):
+    """On CUDA the chain step runs the torch twins: the same selection as on the CPU from the same inputs (the
+    inputs are computed once, on CUDA, and copied, so that device exp/cumsum rounding is not what is compared)."""
+    for seed in range(24):
+        logps, kept, gate_on, tau, table, rest, draft = _random_case(seed, 37, 4, 5)
+        inputs = chain_inputs(logps.cuda(), kept.cuda())
+        kw = {
+            "base_tokens": 37.0,
+            "k_cap": 3 + seed * 5,
+            "k_min": 0 if fixed else seed % 7,
+            "surplus_tail": bool(seed % 2),
+        }
+        dev = (gate_on.cuda(), tau.cuda(), None if fixed else table.cuda(), rest.cuda(), draft.cuda())
+        got = chain_ops.chain_select(inputs, *dev, **kw)
+        host = ChainInputs(*(t.cpu() for t in inputs))
+        want = chain_select_reference(host, gate_on, tau, None if fixed else table, rest, draft, **kw)
+        assert got.counts.device.type == "cuda"
+        assert torch.equal(got.counts.cpu(), want.counts), seed
+        assert torch.equal(got.depth_cap.cpu(), want.depth_cap) and torch.equal(got.truncated.cpu(), want.truncated)
+        assert float(got.predicted) == pytest.approx(float(want.predicted), rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.gpu
+def test_cuda_draft_steps_match_and_never_sync():
+    """The draft loop's per-step ops on CUDA (argmax / top-k and their log-probs over a Llama-3 vocabulary) equal
+    the CPU twins and never wait for the device (torch's sync debug mode raises on a host sync)."""
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn((64, 128256), generator=gen) * 4
+    logits[3, 100:104] = logits[3].max() + 1  # a four-way tie at the top: the tie rule must hold on CUDA too
+    cuda_logits = logits.cuda()
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ids, logps = chain_ops.draft_argmax_logp(cuda_logits)
+        top_ids, top_logps = chain_ops.draft_topk_logp(cuda_logits, 4)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    want_ids, want_logps = chain_ops.draft_argmax_logp_reference(logits)
+    want_top, want_top_logps = chain_ops.draft_topk_logp_reference(logits, 4)
+    assert torch.equal(ids.cpu(), want_ids) and torch.equal(top_ids.cpu(), want_top)
+    assert top_ids[3].tolist() == [100, 101, 102, 103]
+    torch.testing.assert_close(logps.cpu(), want_logps, atol=1e-4, rtol=0)
+    torch.testing.assert_close(top_logps.cpu(), want_top_logps, atol=1e-4, rtol=0)

@@ -1,149 +1,44 @@
-"""The CUDA (FlashAttention) tree attention backend's split recompute against a dense masked reference.
-
-CPU tests run the very composition the CUDA forward uses (`tree_fix_rows`: prefix over context + root, masked
-suffix over the step's drafts, LSE merge) with `prefix_attention_reference` in place of the FA kernel, over a
-synthetic FlashAttention-layout paged cache with a shuffled block table and four requests: a branching tree across
-a block boundary, a chain, a request with no drafts, and a second tree. `gpu` tests run the real
-EchoTreeFlashAttentionImpl.forward (vLLM's FA kernel) on CUDA.
+"""The CUDA (FlashAttention) tree attention backend: its vLLM side (impl, registration, CUDA-graph guard, vLLM's
+merge op). The split recompute's torch parts are tested without vLLM in tests/test_tree_attn_split.py, over the
+synthetic step of tests/tree_attn_fixture.py. `gpu` tests run the real EchoTreeFlashAttentionImpl.forward (vLLM's
+FA kernel) on CUDA against the dense masked reference.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
-import math
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.needs_vllm
 
 import torch  # noqa: E402
+from tree_attn_fixture import (  # noqa: E402
+    BLOCK,
+    HEAD,
+    HEADS,
+    KV_HEADS,
+    REQS,
+    SCALE,
+    Step,
+    dense_reference,
+    make_step,
+)
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 
 from echo_vllm.vllm import tree_attn_cuda, tree_state  # noqa: E402
 from echo_vllm.vllm.tree_attn_cuda import (  # noqa: E402
     EchoTreeFlashAttentionBackend,
     EchoTreeFlashAttentionImpl,
-    echo_compact_cuda,
     fa_kv_views,
     fix_row_groups,
     merge_by_lse,
     merge_vllm,
     prefix_attention_reference,
     suffix_attention,
-    suffix_kv,
-    suffix_kv_paged,
-    suffix_mask,
-    tree_fix_rows,
 )
-
-HEADS, KV_HEADS, HEAD = 4, 2, 64  # head size 64: one FA3/FA2 supports everywhere
-BLOCK = 16
-NUM_BLOCKS = 14
-SCALE = 1 / math.sqrt(HEAD)
-
-TREE_PARENTS = (-1, 0, 1, 2, -1, 0, 4, 1, 5, 6)  # spine of 4, then the rest depth-major; crosses a block boundary
-SECOND_TREE = (-1, 0, -1, 1, 0)
-# (context tokens, draft parents): a tree, a chain, no drafts, another tree
-REQS = [(10, TREE_PARENTS), (20, (-1, 0, 1)), (5, ()), (33, SECOND_TREE)]
-
-
-@dataclasses.dataclass
-class Step:
-    batch: tree_state.TreeBatch
-    query: torch.Tensor  # [T, H, D]
-    key: torch.Tensor  # [T, Hkv, D] (the step's rows)
-    value: torch.Tensor
-    kv_cache: torch.Tensor  # [nb, Hkv, bs, 2D]
-    block_table: torch.Tensor  # [B, max_blocks] int32
-    full_k: list[torch.Tensor]  # per request [L, Hkv, D]: every logical position
-    full_v: list[torch.Tensor]
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-
-
-def make_step(dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0) -> Step:
-    gen = torch.Generator().manual_seed(seed)
-    num_reqs = len(REQS)
-    new = [1 + len(p) for _, p in REQS]
-    seq = [ctx + n for (ctx, _), n in zip(REQS, new)]
-    qsl = np.concatenate([[0], np.cumsum(new)]).astype(np.int64)
-    max_blocks = max(-(-s // BLOCK) for s in seq)
-    perm = torch.randperm(NUM_BLOCKS, generator=gen)
-    table = torch.zeros((num_reqs, max_blocks), dtype=torch.int32)
-    used = 0
-    for b, s in enumerate(seq):
-        n = -(-s // BLOCK)
-        table[b, :n] = perm[used : used + n].to(torch.int32)
-        used += n
-    kv_cache = torch.randn((NUM_BLOCKS, KV_HEADS, BLOCK, 2 * HEAD), generator=gen).to(dtype)
-    key_cache, value_cache = fa_kv_views(kv_cache, HEAD)
-    total = int(qsl[-1])
-    query = torch.randn((total, HEADS, HEAD), generator=gen).to(dtype)
-    key = torch.empty((total, KV_HEADS, HEAD), dtype=dtype)
-    value = torch.empty((total, KV_HEADS, HEAD), dtype=dtype)
-    full_k, full_v = [], []
-    for b, s in enumerate(seq):
-        pos = torch.arange(s)
-        blocks, offs = table[b].long()[pos // BLOCK], pos % BLOCK
-        k, v = key_cache[blocks, offs].clone(), value_cache[blocks, offs].clone()  # the cache is the truth
-        full_k.append(k.float())
-        full_v.append(v.float())
-        ctx = REQS[b][0]
-        key[qsl[b] : qsl[b + 1]] = k[ctx:]  # the step's own rows: root and drafts
-        value[qsl[b] : qsl[b + 1]] = v[ctx:]
-    plans = [tree_state.TreePlan(tuple(range(100, 100 + len(p))), p).validate() if p else None for _, p in REQS]
-    scheduled = [list(range(100, 100 + len(p))) for _, p in REQS]
-    ctx = np.array([c for c, _ in REQS], dtype=np.int64)
-    batch = tree_state.build_tree_batch(plans, scheduled, ctx, qsl[:-1], device)
-    assert batch is not None
-    return Step(
-        batch=batch,
-        query=query.to(device),
-        key=key.to(device),
-        value=value.to(device),
-        kv_cache=kv_cache.to(device),
-        block_table=table.to(device),
-        full_k=full_k,
-        full_v=full_v,
-        query_start_loc=torch.from_numpy(qsl).to(torch.int32).to(device),
-        seq_lens=torch.tensor(seq, dtype=torch.int32, device=device),
-    )
-
-
-def visible_positions(batch: tree_state.TreeBatch, f: int) -> list[int]:
-    """The logical KV positions fix row f sees under the tree mask, from the parents (not from fix_bits)."""
-    b = int(batch.fix_req[f])
-    ctx = int(batch.context_len[b])
-    j = int(batch.fix_rows[f]) - int(batch.root_row[b]) - 1
-    parents = REQS[b][1]
-    seen = []
-    while j >= 0:
-        seen.append(ctx + 1 + j)
-        j = parents[j]
-    return list(range(ctx + 1)) + sorted(seen)
-
-
-def dense_reference(step: Step, softcap: float = 0.0, drop_ancestors: bool = False) -> torch.Tensor:
-    """[F, H, D] float32: each fix row's attention over exactly its visible keys, dense, one row at a time."""
-    batch, rows = step.batch, []
-    for f in range(batch.num_fix_rows):
-        b = int(batch.fix_req[f])
-        pos = visible_positions(batch, f)
-        if drop_ancestors:
-            ctx = int(batch.context_len[b])
-            pos = [p for p in pos if p <= ctx] + [int(batch.fix_rows[f]) - int(batch.root_row[b]) + ctx]
-        k = step.full_k[b][pos].repeat_interleave(HEADS // KV_HEADS, dim=1)  # [L, H, D]
-        v = step.full_v[b][pos].repeat_interleave(HEADS // KV_HEADS, dim=1)
-        q = step.query[int(batch.fix_rows[f])].float().cpu()  # [H, D]
-        logits = torch.einsum("hd,lhd->hl", q, k) * SCALE
-        if softcap:
-            logits = softcap * torch.tanh(logits / softcap)
-        rows.append(torch.einsum("hl,lhd->hd", torch.softmax(logits, -1), v))
-    return torch.stack(rows)
 
 
 def test_module_imports_on_cpu():
@@ -152,138 +47,19 @@ def test_module_imports_on_cpu():
     assert EchoTreeFlashAttentionBackend.get_name() == "FLASH_ATTN"
 
 
-def test_fix_row_groups_and_suffix_mask_hand_example():
-    # req 0: two siblings at the root (draft 1 is a fix row); req 1: no drafts; req 2: root -> 0 -> {1, 2}.
-    plans = [tree_state.TreePlan((7, 8), (-1, -1)), None, tree_state.TreePlan((1, 2, 3), (-1, 0, 0))]
-    batch = tree_state.build_tree_batch(plans, [[7, 8], [], [1, 2, 3]], np.array([5, 7, 3]), np.array([0, 3, 4]), "cpu")
-    assert batch is not None
-    assert batch.fix_rows.tolist() == [2, 7] and batch.fix_req.tolist() == [0, 2]
-    assert batch.fix_bits.tolist() == [0b10, 0b101]
-    groups = fix_row_groups(batch)
-    assert groups.cu_seqlens_q.tolist() == [0, 1, 1, 2] and groups.cu_seqlens_q.dtype == torch.int32
-    assert groups.seqused_k.tolist() == [6, 8, 4] and groups.seqused_k.dtype == torch.int32
-    assert groups.counts.tolist() == [1, 0, 1]
-    assert suffix_mask(batch).tolist() == [[False, True, False], [True, False, True]]
-    rows, real = tree_attn_cuda._suffix_rows(batch)
-    assert rows.tolist() == [[1, 2, 0], [5, 6, 7]] and real.tolist() == [[True, True, False], [True] * 3]
-
-
-def test_fix_row_groups_refuses_ungrouped_rows():
-    step = make_step()
-    shuffled = dataclasses.replace(step.batch, fix_req=step.batch.fix_req.flip(0))
-    with pytest.raises(ValueError, match="grouped"):
-        fix_row_groups(shuffled)
-
-
-def test_merge_by_lse_equals_softmax_over_the_concatenation():
+def test_merge_vllm_agrees_with_the_torch_merge():
+    """vLLM's own merge op (its torch fallback on CPU) equals `merge_by_lse`, the reference the split tests use."""
     gen = torch.Generator().manual_seed(1)
-    rows, n_a, n_b = 5, 7, 4
-    q = torch.randn((rows, HEADS, HEAD), generator=gen)
-    k = torch.randn((rows, n_a + n_b, KV_HEADS, HEAD), generator=gen)
-    v = torch.randn((rows, n_a + n_b, KV_HEADS, HEAD), generator=gen)
-    mask = torch.rand((rows, n_a + n_b), generator=gen) < 0.7
+    q = torch.randn((5, HEADS, HEAD), generator=gen)
+    k = torch.randn((5, 11, KV_HEADS, HEAD), generator=gen)
+    v = torch.randn((5, 11, KV_HEADS, HEAD), generator=gen)
+    mask = torch.rand((5, 11), generator=gen) < 0.7
     mask[:, 0] = True
-    mask[1, n_a:] = False  # an empty suffix part
-    full, full_lse = suffix_attention(q, k, v, mask, SCALE)
-    out_a, lse_a = suffix_attention(q, k[:, :n_a], v[:, :n_a], mask[:, :n_a], SCALE)
-    out_b, lse_b = suffix_attention(q, k[:, n_a:], v[:, n_a:], mask[:, n_a:], SCALE)
-    assert torch.isneginf(lse_b[:, 1]).all() and (out_b[1] == 0).all()
-    merged, merged_lse = merge_by_lse(out_a, lse_a, out_b, lse_b)
-    torch.testing.assert_close(merged, full, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(merged_lse, full_lse, atol=1e-5, rtol=1e-5)
-    # The plain softmax over the visible keys, GQA expanded.
-    kk, vv = k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2)
-    logits = torch.einsum("fhd,fnhd->fhn", q, kk) * SCALE
-    probs = torch.softmax(logits.masked_fill(~mask.unsqueeze(1), float("-inf")), -1)
-    torch.testing.assert_close(merged, torch.einsum("fhn,fnhd->fhd", probs, vv), atol=1e-5, rtol=1e-5)
-    # vLLM's own op (its torch fallback on CPU) agrees; both parts empty gives 0.
+    mask[1, 7:] = False  # an empty suffix part
+    out_a, lse_a = suffix_attention(q, k[:, :7], v[:, :7], mask[:, :7], SCALE)
+    out_b, lse_b = suffix_attention(q, k[:, 7:], v[:, 7:], mask[:, 7:], SCALE)
+    merged, _ = merge_by_lse(out_a, lse_a, out_b, lse_b)
     torch.testing.assert_close(merge_vllm(out_a, lse_a, out_b, lse_b), merged, atol=1e-6, rtol=1e-6)
-    neg = torch.full_like(lse_a, float("-inf"))
-    empty, empty_lse = merge_by_lse(out_a, neg, out_b, neg)
-    assert (empty == 0).all() and torch.isneginf(empty_lse).all()
-
-
-@pytest.mark.parametrize("softcap", [0.0, 5.0])
-def test_split_recompute_equals_dense_masked_reference(softcap):
-    step = make_step()
-    assert step.batch.fix_req.unique().tolist() == [0, 3]  # both trees have fix rows; chain and decode none
-    key_cache, value_cache = fa_kv_views(step.kv_cache, HEAD)
-    got = tree_fix_rows(
-        step.query, step.key, step.value, key_cache, value_cache, step.block_table, step.batch, SCALE, softcap
-    )
-    torch.testing.assert_close(got, dense_reference(step, softcap), atol=1e-5, rtol=1e-5)
-    # The drafts read from the paged cache instead of the step's rows (KV-sharing layers) give the same.
-    paged = tree_fix_rows(step.query, None, None, key_cache, value_cache, step.block_table, step.batch, SCALE, softcap)
-    torch.testing.assert_close(paged, got, atol=1e-6, rtol=1e-6)
-
-
-def test_a_wrong_mask_fails_the_comparison():
-    step = make_step()
-    key_cache, value_cache = fa_kv_views(step.kv_cache, HEAD)
-    own = torch.bitwise_left_shift(
-        torch.ones_like(step.batch.fix_bits), step.batch.fix_rows - step.batch.root_row[step.batch.fix_req] - 1
-    )
-    wrong = dataclasses.replace(step.batch, fix_bits=own)  # every fix row sees only itself among the drafts
-    got = tree_fix_rows(step.query, step.key, step.value, key_cache, value_cache, step.block_table, wrong, SCALE)
-    reference = dense_reference(step)
-    assert not torch.allclose(got, reference, atol=1e-3)
-    # ... and it is exactly what the reference computes for that (wrong) visibility: the comparison is not vacuous.
-    torch.testing.assert_close(got, dense_reference(step, drop_ancestors=True), atol=1e-5, rtol=1e-5)
-
-
-def test_prefix_reference_matches_dense_context_attention():
-    step = make_step()
-    batch = step.batch
-    key_cache, value_cache = fa_kv_views(step.kv_cache, HEAD)
-    groups = fix_row_groups(batch)
-    q = step.query[batch.fix_rows]
-    out, lse = prefix_attention_reference(
-        q, key_cache, value_cache, step.block_table, groups.cu_seqlens_q, groups.seqused_k, SCALE
-    )
-    for f in range(batch.num_fix_rows):
-        b = int(batch.fix_req[f])
-        ctx = int(batch.context_len[b])
-        k = step.full_k[b][: ctx + 1].repeat_interleave(2, dim=1)
-        v = step.full_v[b][: ctx + 1].repeat_interleave(2, dim=1)
-        logits = torch.einsum("hd,lhd->hl", q[f], k) * SCALE
-        torch.testing.assert_close(out[f], torch.einsum("hl,lhd->hd", torch.softmax(logits, -1), v), atol=1e-5, rtol=0)
-        torch.testing.assert_close(lse[:, f], torch.logsumexp(logits, -1), atol=1e-5, rtol=0)
-    k_rows, v_rows = suffix_kv(step.key, step.value, batch)
-    k_paged, v_paged = suffix_kv_paged(key_cache, value_cache, step.block_table, batch)
-    real = suffix_mask(batch)
-    assert torch.equal(k_rows[real], k_paged[real]) and torch.equal(v_rows[real], v_paged[real])
-
-
-def test_legacy_five_dim_layout_views_the_same_tokens():
-    step = make_step()
-    key_cache, value_cache = fa_kv_views(step.kv_cache, HEAD)
-    legacy = torch.stack([key_cache.contiguous(), value_cache.contiguous()])  # [2, nb, bs, Hkv, D]
-    k5, v5 = fa_kv_views(legacy)
-    assert torch.equal(k5, key_cache) and torch.equal(v5, value_cache)
-
-
-@pytest.mark.parametrize("layout", ["fa4d", "legacy5d"])
-def test_echo_compact_cuda_moves_k_and_v_per_slot(layout):
-    step = make_step()
-    cache = step.kv_cache.clone()
-    if layout == "legacy5d":
-        k, v = fa_kv_views(cache, HEAD)
-        cache = torch.stack([k.contiguous(), v.contiguous()])
-    before_k, before_v = (t.clone() for t in fa_kv_views(cache, HEAD))
-    # Overlapping moves (a source that is also a destination), across blocks, as compaction makes them.
-    src = torch.tensor([5, 17, 40, 3])
-    dst = torch.tensor([3, 5, 18, 60])
-    echo_compact_cuda(cache, src, dst)
-    after_k, after_v = fa_kv_views(cache, HEAD)
-    flat = lambda t: t.reshape(-1, KV_HEADS, HEAD)  # noqa: E731  (slot = block * bs + offset)
-    for s, d in zip(src.tolist(), dst.tolist()):
-        assert torch.equal(flat(after_k)[d], flat(before_k)[s]) and torch.equal(flat(after_v)[d], flat(before_v)[s])
-    untouched = torch.ones(NUM_BLOCKS * BLOCK, dtype=torch.bool)
-    untouched[dst] = False
-    assert torch.equal(flat(after_k)[untouched], flat(before_k)[untouched])
-    assert torch.equal(flat(after_v)[untouched], flat(before_v)[untouched])
-    with pytest.raises(ValueError, match="sources"):
-        echo_compact_cuda(cache, src, dst[:2])
 
 
 def _meta(step: Step) -> SimpleNamespace:
@@ -511,15 +287,3 @@ def test_cuda_split_parts_match_reference_on_gpu():
     ref_out, ref_lse = prefix_attention_reference(*args)
     torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse.float(), ref_lse, atol=2e-2, rtol=2e-2)
-
-
-@pytest.mark.gpu
-def test_echo_compact_cuda_on_cuda():
-    cache = torch.randn((NUM_BLOCKS, KV_HEADS, BLOCK, 2 * HEAD), device="cuda", dtype=torch.bfloat16)
-    before = cache.clone()
-    src = torch.tensor([5, 17, 40], device="cuda")
-    dst = torch.tensor([3, 5, 18], device="cuda")
-    echo_compact_cuda(cache, src, dst)
-    flat = lambda t: t.transpose(1, 2).reshape(-1, KV_HEADS, 2 * HEAD)  # noqa: E731
-    for s, d in zip(src.tolist(), dst.tolist()):
-        assert torch.equal(flat(cache)[d], flat(before)[s])

@@ -7,10 +7,11 @@
 #      and the verification cost of an 8B-shaped layer under CUDA graphs (scripts/time_verify_cost_cuda.py);
 #   3. build echo_vllm._C with its CUDA kernel in place (pip install --no-deps --no-build-isolation -e .), its
 #      equivalence tests, gpu-marked ones included (ECHO_REQUIRE_CSRC=1: a missing build fails instead of
-#      skipping), and the budget-op benchmark (CPU and CUDA).
+#      skipping), and the budget-op benchmark (CPU and CUDA);
+#   4. `echo-vllm bench verify-cost` on the 8B-shaped slice (the eager Hugging Face forward, for comparison).
 # Everything lands under ${OUT:-.}: device_*.log and *.json. A short summary is printed last.
 # Usage: scripts/device_check.sh            (PYTHON=/path/to/python to pick the interpreter)
-# Budget: about 8 minutes on an H200 (each step has its own timeout; the build is the slow part).
+# Budget: about 6 minutes on an H200 (each step has its own timeout; the build is the slow part).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,17 +39,17 @@ import pytest, hypothesis, numpy, transformers; print('pytest', pytest.__version
 " || { echo "no usable CUDA torch"; exit 1; }
 
 step "GPU tests without a build (tree split recompute, chain twins)"
-run tests_torch 150 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_tree_attn_split.py tests/test_chain_select.py
+run tests_torch 120 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_tree_attn_split.py tests/test_chain_select.py
 
 step "tree fix-up cost per layer (Llama-8B attention shapes)"
-run tree_fix 120 "$PY" scripts/time_tree_fix_cuda.py --json "$OUT_DIR/tree_fix_cuda.json"
+run tree_fix 90 "$PY" scripts/time_tree_fix_cuda.py --json "$OUT_DIR/tree_fix_cuda.json"
 
 step "verification cost under CUDA graphs (8B-shaped layer)"
-run verify_cost 150 "$PY" scripts/time_verify_cost_cuda.py --json "$OUT_DIR/verify_cost_cuda.json"
+run verify_cost 120 "$PY" scripts/time_verify_cost_cuda.py --json "$OUT_DIR/verify_cost_cuda.json"
 
 step "build (pip install --no-deps --no-build-isolation -e .)"
 b0=$(date +%s)
-run build 240 "$PY" -m pip install --no-deps --no-build-isolation -e .
+run build 200 "$PY" -m pip install --no-deps --no-build-isolation -e .
 echo "build rc=${RC[build]} in $(( $(date +%s) - b0 ))s"
 "$PY" -c "
 import echo_vllm.ops as ops
@@ -58,13 +59,17 @@ assert impl['cpu'] == 'csrc' and impl['cuda'] == 'csrc', impl
 RC[build_check]=$?
 
 step "budget op equivalence tests (cpu + gpu)"
-run tests_ops 120 env ECHO_REQUIRE_CSRC=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_ops_budget.py tests/test_ops_build.py
+run tests_ops 100 env ECHO_REQUIRE_CSRC=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_ops_budget.py tests/test_ops_build.py
 
 step "budget op benchmark"
-run bench_ops 90 "$PY" -m echo_vllm.cli bench ops --json "$OUT_DIR/bench_device.json"
+run bench_ops 80 "$PY" -m echo_vllm.cli bench ops --json "$OUT_DIR/bench_device.json"
+
+step "verify-cost (Hugging Face forward, eager: launch overhead included)"
+run verify_cost_hf 60 "$PY" -m echo_vllm.cli bench verify-cost --model-shape llama-8b-slice --context 1024 \
+  --max-tokens 2048 --json "$OUT_DIR/verify_cost_hf.json"
 
 step "summary"
-for name in tests_torch tree_fix verify_cost build build_check tests_ops bench_ops; do
+for name in tests_torch tree_fix verify_cost build build_check tests_ops bench_ops verify_cost_hf; do
   printf '%-12s rc=%s  %s\n' "$name" "${RC[$name]:-not run}" \
     "$(grep -E '[0-9]+ (passed|failed)' "$OUT_DIR/device_$name.log" 2>/dev/null | tail -n 1)"
 done

@@ -7,7 +7,9 @@ over the step (echo_vllm/vllm/tree_attn_cuda.py): the fix rows' masked suffix (`
 `suffix_attention`), the grouping (`fix_row_groups`) and the LSE merge (here `merge_by_lse` in torch; vLLM's
 `merge_attn_states` kernel in the engine), plus one prefix pass over context + root (vLLM's FA varlen kernel in
 the engine; not installed on the device image, so this script times `prefix_attention_reference`, a torch
-gather, as an upper stand-in) and, once per step, KV compaction (`echo_compact_cuda`). For scale it also times
+gather, as an upper stand-in) and, once per step, KV compaction (`echo_compact_cuda`). The engine's fused path
+(`tree_attn_triton.tree_suffix_merge`: suffix + merge + write in one Triton launch) is timed beside the torch
+composition, whose GPU time alone is also measured by replaying it from a CUDA graph. For scale it also times
 dense SDPA attention of all the step's rows over their contexts (what the stock kernel does for the step).
 
 Each request: a 16-node spine-and-siblings tree (depth 4, top_k 4: 12 fix rows) over `--context` tokens of a
@@ -60,6 +62,20 @@ def cuda_ms(fn: Callable[[], object], repeats: int = 100, warmup: int = 10) -> f
     return statistics.median(times)
 
 
+def graph_ms(fn: Callable[[], object], replays: int = 50) -> float:
+    """Median CUDA-graph replay time of fn: its GPU work without the host's launch overhead."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return cuda_ms(graph.replay, repeats=replays)
+
+
 def host_ms(fn: Callable[[], object], repeats: int = 50) -> float:
     fn()
     times = []
@@ -110,6 +126,19 @@ def measure(num_reqs: int, context: int, dev: torch.device) -> dict[str, float]:
             prefix_fn=lambda *args: prefix_bf16, merge_fn=lambda *p: merge_by_lse(*p)[0],
         )  # fmt: skip
 
+    try:
+        from echo_vllm.vllm.tree_attn_triton import tree_suffix_merge
+    except ImportError:
+        tree_suffix_merge = None
+    fused_out = torch.zeros_like(query)
+    fix_index = batch.fix_rows.long()
+
+    def fix_fused() -> None:  # the engine's fused path, prefix kernel excluded: gather q, one Triton launch
+        q_rows = query[fix_index]  # FA reads these; here only the gather's launch is timed
+        del q_rows
+        assert tree_suffix_merge is not None
+        tree_suffix_merge(fused_out, query, key, value, prefix_bf16[0], prefix_bf16[1], batch, scale)
+
     def fix_reference_prefix() -> torch.Tensor:  # the whole split recompute with the torch prefix stand-in
         return tree_fix_rows(query, key, value, key_cache, value_cache, block_table, batch, scale)
 
@@ -128,7 +157,19 @@ def measure(num_reqs: int, context: int, dev: torch.device) -> dict[str, float]:
     def compact() -> None:
         echo_compact_cuda(kv_cache, src, dst)
 
+    row: dict[str, float] = {}
+    if tree_suffix_merge is not None:
+        row["fix_fused_ms"] = cuda_ms(fix_fused)
+        spec = fix_torch()
+        fix_fused()
+        row["fused_max_abs_diff"] = float((fused_out[fix_index].float() - spec.to(torch.bfloat16).float()).abs().max())
+    if dev.type == "cuda":  # the torch composition's GPU time alone (its eager time is the host launching it)
+        try:
+            row["fix_torch_graph_ms"] = graph_ms(fix_torch)
+        except RuntimeError as exc:  # a capture failure must not lose the rest of the table
+            print(f"graph capture of the torch fix-up failed at {num_reqs} requests: {exc}")
     return {
+        **row,
         "requests": num_reqs,
         "fix_rows": batch.num_fix_rows,
         "step_rows": rows,
@@ -154,13 +195,17 @@ def main() -> int:
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     print(f"device {name}, torch {torch.__version__}, context {args.context}, bfloat16")
     print(
-        "| requests | fix rows | fix-up torch ms | + torch prefix ms | stock attention ms | compaction ms | build host ms |"
+        "| requests | fix rows | torch fix-up ms (eager) | torch fix-up GPU ms (graph) | fused fix-up ms | fused - torch "
+        "| + torch prefix ms | stock attention ms | compaction ms | build host ms |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    nan = float("nan")
     for r in rows:
         print(
-            f"| {r['requests']} | {r['fix_rows']} | {r['fix_torch_ms']:.3f} | {r['fix_with_reference_prefix_ms']:.3f} "
-            f"| {r['stock_attention_ms']:.3f} | {r['compact_ms']:.3f} | {r['build_tree_batch_host_ms']:.3f} |"
+            f"| {r['requests']} | {r['fix_rows']} | {r['fix_torch_ms']:.3f} | {r.get('fix_torch_graph_ms', nan):.3f} "
+            f"| {r.get('fix_fused_ms', nan):.3f} | {r.get('fused_max_abs_diff', nan):.1e} "
+            f"| {r['fix_with_reference_prefix_ms']:.3f} | {r['stock_attention_ms']:.3f} | {r['compact_ms']:.3f} "
+            f"| {r['build_tree_batch_host_ms']:.3f} |"
         )
     if args.json:
         with open(args.json, "w") as f:

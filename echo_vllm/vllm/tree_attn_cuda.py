@@ -46,7 +46,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -74,6 +77,7 @@ from echo_vllm.vllm.tree_attn_split import (  # the split recompute's torch part
 )
 
 BACKEND_PATH = f"{__name__}.EchoTreeFlashAttentionBackend"
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "BACKEND_PATH",
@@ -245,12 +249,58 @@ class EchoTreeFlashAttentionImpl(FlashAttentionImpl):
             key = value = None  # this layer's K/V live in the target layer's cache only
         # Host-side bounds, no sync: a request's fix rows are at most its query length, its prefix at most seq_len.
         prefix = functools.partial(self._prefix_fa, max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len)
+        out = output.view(output.shape[0], self.num_heads, -1)  # callers pass [T, H, Dv] or [T, H * Dv]
+        softcap = float(self.logits_soft_cap or 0.0)
+        fused = _fused_suffix_merge() if query.is_cuda and key is not None and value is not None else None
+        if fused is not None and key is not None and value is not None:
+            # Three launches per layer: the fix rows' queries, FA's prefix pass, the Triton suffix + merge + write.
+            groups = _step_fix_row_groups(batch)
+            q = query[groups.rows]
+            out_a, lse_a = prefix(
+                q, key_cache, value_cache, meta.block_table[: batch.num_reqs], groups.cu_seqlens_q,
+                groups.seqused_k, self.scale, softcap,
+            )  # fmt: skip
+            fused(out, query, key, value, out_a, lse_a, batch, self.scale, softcap)
+            return
         rows = tree_fix_rows(
             query, key, value, key_cache, value_cache, meta.block_table, batch, self.scale,
-            float(self.logits_soft_cap or 0.0), prefix_fn=prefix, merge_fn=merge_vllm,
+            softcap, prefix_fn=prefix, merge_fn=merge_vllm,
         )  # fmt: skip
-        out = output.view(output.shape[0], self.num_heads, -1)  # callers pass [T, H, Dv] or [T, H * Dv]
         out.index_copy_(0, batch.fix_rows.to(out.device).long(), rows.to(out.dtype))
+
+
+@dataclass(frozen=True)
+class StepFixRows:
+    """`FixRowGroups` plus the fix rows as an int64 index: per step, shared by every layer (TreeBatch.layer_plans)."""
+
+    rows: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seqused_k: torch.Tensor
+
+
+def _step_fix_row_groups(batch: tree_state.TreeBatch) -> StepFixRows:
+    plan = batch.layer_plans.get("fa_fix_rows")
+    if plan is None:
+        groups = fix_row_groups(batch)
+        plan = batch.layer_plans["fa_fix_rows"] = StepFixRows(
+            batch.fix_rows.long(), groups.cu_seqlens_q, groups.seqused_k
+        )
+    return plan
+
+
+@functools.cache
+def _fused_suffix_merge() -> Callable[..., None] | None:
+    """The Triton suffix + merge kernel (`tree_attn_triton.tree_suffix_merge`), or None where Triton is missing
+    (then the torch composition runs: exact too, ~25 launches per layer). ECHO_VLLM_TREE_TORCH=1 forces torch."""
+    if os.environ.get("ECHO_VLLM_TREE_TORCH") == "1":
+        logger.info("ECHO tree fix-up on CUDA: the torch composition (ECHO_VLLM_TREE_TORCH=1)")
+        return None
+    try:
+        from echo_vllm.vllm.tree_attn_triton import tree_suffix_merge
+    except ImportError as exc:
+        logger.warning("ECHO tree fix-up on CUDA: Triton unavailable (%s); using the torch composition", exc)
+        return None
+    return tree_suffix_merge
 
 
 class EchoTreeFlashAttentionBackend(FlashAttentionBackend):

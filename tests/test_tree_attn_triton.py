@@ -26,7 +26,7 @@ elif os.environ.get("TRITON_INTERPRET") == "1":
 else:
     pytest.skip("needs a CUDA device or TRITON_INTERPRET=1", allow_module_level=True)
 
-from echo_vllm.vllm.tree_attn_triton import tree_suffix_merge
+from echo_vllm.vllm.tree_attn_triton import tree_fix_rows_fused, tree_suffix_merge
 
 
 def _prefix(step, batch=None):
@@ -108,3 +108,57 @@ def test_refuses_mismatched_prefix_parts():
     out_a, lse_a = _prefix(step)
     with pytest.raises(ValueError, match="prefix parts"):
         _fused(step, out_a[:-1], lse_a[:, :-1])
+
+
+# --- the whole fix row in one kernel ---------------------------------------------------------------------------
+
+
+def _whole(step, batch=None, softcap=0.0, num_fix=None, block_k=16):
+    batch = batch or step.batch
+    key_cache, value_cache = fa_kv_views(step.kv_cache, HEAD)
+    output = torch.full_like(step.query, 7.0)
+    tree_fix_rows_fused(
+        output, step.query, step.key, step.value, key_cache, value_cache, step.block_table, batch, SCALE, softcap,
+        num_fix=num_fix, block_k=block_k,
+    )  # fmt: skip
+    return output
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+@pytest.mark.parametrize("block_k", [16, 64])
+def test_whole_row_kernel_equals_the_split_specification(dtype, softcap, block_k):
+    """Prefix over the paged cache (several key blocks across shuffled cache blocks at block_k 16) + suffix, vs
+    `tree_fix_rows` with the torch prefix reference; the rows not fixed are untouched."""
+    step = make_step(dtype=dtype, device=DEVICE, seed=9)
+    key_cache, value_cache = fa_kv_views(step.kv_cache, HEAD)
+    output = _whole(step, softcap=softcap, block_k=block_k)
+    rows = step.batch.fix_rows.long()
+    spec = tree_fix_rows(
+        step.query, step.key, step.value, key_cache, value_cache, step.block_table, step.batch, SCALE, softcap
+    )
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(output[rows].float(), spec.to(dtype).float(), **tol)
+    others = torch.ones(step.query.shape[0], dtype=torch.bool, device=DEVICE)
+    others[rows] = False
+    assert (output[others] == 7.0).all()
+    if not softcap:
+        loose = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+        torch.testing.assert_close(output[rows].float().cpu(), dense_reference(step), **loose)
+
+
+def test_whole_row_kernel_wrong_mask_and_padded_grid():
+    step = make_step(device=DEVICE, seed=10)
+    rows = step.batch.fix_rows.long()
+    good = _whole(step)
+    own = torch.bitwise_left_shift(
+        torch.ones_like(step.batch.fix_bits), step.batch.fix_rows - step.batch.root_row[step.batch.fix_req] - 1
+    )
+    bad = _whole(step, batch=dataclasses.replace(step.batch, fix_bits=own))
+    assert not torch.allclose(good[rows], bad[rows], atol=1e-3)
+    torch.testing.assert_close(bad[rows].cpu(), dense_reference(step, drop_ancestors=True), atol=1e-4, rtol=1e-4)
+    # A padded grid: only the first num_fix rows are real (the rest of the buffers is whatever a graph holds).
+    real = 3
+    part = _whole(step, num_fix=torch.tensor([real], dtype=torch.int32, device=DEVICE))
+    torch.testing.assert_close(part[rows[:real]], good[rows[:real]], atol=0, rtol=0)
+    assert (part[rows[real:]] == 7.0).all()

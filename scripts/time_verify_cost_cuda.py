@@ -5,7 +5,7 @@ over B requests x T new tokens each, every request with `--context` tokens alrea
 
 `echo-vllm bench verify-cost` times a Hugging Face forward eagerly: on a GPU its small-T times are kernel-launch
 overhead, which vLLM's CUDA graphs remove. Here the layer (RMSNorm, fused QKV, attention of the new rows over
-context + new keys by SDPA with GQA, output projection, RMSNorm, SwiGLU MLP) is captured in a CUDA graph per
+context + new keys by SDPA (flash), output projection, RMSNorm, SwiGLU MLP) is captured in a CUDA graph per
 shape and replayed; the full model is estimated as 32 layers + the LM head (final norm + a 128256-row projection
 of every row, as vLLM's verification computes logits for every verified position). RoPE is left out (elementwise, a
 few microseconds); the new rows' K/V are written into the cache tensors in place. Two tables:
@@ -47,11 +47,15 @@ class Layer:
         h = F.rms_norm(x, (HIDDEN,), self.norm1, 1e-5)
         qkv = F.linear(h, self.qkv)
         q, k, v = qkv.split([HEADS * HEAD, KV_HEADS * HEAD, KV_HEADS * HEAD], dim=-1)
-        q = q.view(batch, rows, HEADS, HEAD).transpose(1, 2)
+        # GQA as plain attention: a KV head's query heads are extra query rows over the same keys (so SDPA's flash
+        # kernel runs; its enable_gqa path may fall back to the math kernel for some shapes).
+        group = HEADS // KV_HEADS
+        q = q.view(batch, rows, KV_HEADS, group, HEAD).permute(0, 2, 3, 1, 4).reshape(batch, KV_HEADS, -1, HEAD)
         k_all[:, :, -rows:] = k.view(batch, rows, KV_HEADS, HEAD).transpose(1, 2)  # the cache write, in place
         v_all[:, :, -rows:] = v.view(batch, rows, KV_HEADS, HEAD).transpose(1, 2)
-        a = F.scaled_dot_product_attention(q, k_all, v_all, enable_gqa=True)
-        x = x + F.linear(a.transpose(1, 2).reshape(batch, rows, HEADS * HEAD), self.o)
+        a = F.scaled_dot_product_attention(q, k_all, v_all)  # [B, Hkv, group * rows, D]
+        a = a.view(batch, KV_HEADS, group, rows, HEAD).permute(0, 3, 1, 2, 4).reshape(batch, rows, HEADS * HEAD)
+        x = x + F.linear(a, self.o)
         h = F.rms_norm(x, (HIDDEN,), self.norm2, 1e-5)
         gate, up = F.linear(h, self.gate_up).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, self.down)

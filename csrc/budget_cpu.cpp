@@ -18,6 +18,7 @@
 
 #include "budget_key.h"
 #include "budget_op.h"
+#include "check_msg.h"
 
 namespace echo {
 namespace {
@@ -149,8 +150,8 @@ BudgetOutputs select_budget_cpu(const at::Tensor& scores, const at::Tensor& dept
                                 const at::Tensor& valid, const at::Tensor& spine, const at::Tensor& depth_cap,
                                 const at::Tensor& truncated, int64_t k_max) {
   check_budget_inputs(scores, depth, parent, valid, spine, depth_cap, truncated, k_max);
-  TORCH_CHECK_VALUE(scores.device().is_cpu(), "scores must be a CPU tensor for the CPU kernel; got ",
-                    scores.device());
+  ECHO_CHECK_VALUE(scores.device().is_cpu(), "scores must be a CPU tensor for the CPU kernel; got ",
+                   scores.device());
   BudgetOutputs out = empty_budget_outputs(scores);
   select_budget_cpu_impl(scores, depth, parent, valid, spine, depth_cap, truncated, k_max, std::get<0>(out),
                          std::get<1>(out), std::get<2>(out), std::get<3>(out), std::get<4>(out));
@@ -163,8 +164,8 @@ void select_budget_out_cpu(const at::Tensor& scores, const at::Tensor& depth, co
                            const at::Tensor& counts, const at::Tensor& order, const at::Tensor& parent_local,
                            const at::Tensor& order_depth) {
   check_budget_inputs(scores, depth, parent, valid, spine, depth_cap, truncated, k_max);
-  TORCH_CHECK_VALUE(scores.device().is_cpu(), "scores must be a CPU tensor for the CPU kernel; got ",
-                    scores.device());
+  ECHO_CHECK_VALUE(scores.device().is_cpu(), "scores must be a CPU tensor for the CPU kernel; got ",
+                   scores.device());
   check_budget_outputs(scores, depth, parent, valid, spine, depth_cap, truncated, selected, counts, order,
                        parent_local, order_depth);
   select_budget_cpu_impl(scores, depth, parent, valid, spine, depth_cap, truncated, k_max, selected, counts, order,

@@ -9,6 +9,7 @@
 
 #include "budget_cuda.h"
 #include "budget_op.h"
+#include "check_msg.h"
 
 namespace echo {
 namespace {
@@ -18,7 +19,7 @@ void select_budget_cuda_impl(const at::Tensor& scores_t, const at::Tensor& depth
                              const at::Tensor& truncated_t, int64_t k_max, const at::Tensor& selected,
                              const at::Tensor& counts, const at::Tensor& order, const at::Tensor& parent_local,
                              const at::Tensor& order_depth) {
-  TORCH_CHECK_VALUE(scores_t.is_cuda(), "scores must be a CUDA tensor for the CUDA kernel; got ", scores_t.device());
+  ECHO_CHECK_VALUE(scores_t.is_cuda(), "scores must be a CUDA tensor for the CUDA kernel; got ", scores_t.device());
   const c10::cuda::CUDAGuard guard(scores_t.device());
   const int64_t batch = scores_t.size(0);
   if (batch == 0) {
@@ -59,7 +60,7 @@ void select_budget_cuda_impl(const at::Tensor& scores_t, const at::Tensor& depth
   args.workspace = workspace_bytes > 0 ? workspace.mutable_data_ptr() : nullptr;
 
   const cudaError_t err = budget_cuda_launch(args, c10::cuda::getCurrentCUDAStream(device).stream());
-  TORCH_CHECK(err == cudaSuccess, "echo::select_budget CUDA launch failed: ", cudaGetErrorString(err));
+  ECHO_CHECK(err == cudaSuccess, "echo::select_budget CUDA launch failed: ", cudaGetErrorString(err));
 }
 
 BudgetOutputs select_budget_cuda(const at::Tensor& scores, const at::Tensor& depth, const at::Tensor& parent,

@@ -20,6 +20,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "check_msg.h"
 #include "exp_poly.h"
 
 #include <algorithm>
@@ -39,9 +40,9 @@ constexpr int32_t kClassTail = 2;
 constexpr int32_t kClassNone = 3;
 
 void check(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim) {
-  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor; got ", t.device());
-  TORCH_CHECK_VALUE(t.dim() == dim, name, " must have ", dim, " dims; got shape ", t.sizes());
-  TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must be ", dtype, "; got ", t.scalar_type());
+  ECHO_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor; got ", t.device());
+  ECHO_CHECK_VALUE(t.dim() == dim, name, " must have ", dim, " dims; got shape ", t.sizes());
+  ECHO_CHECK_TYPE(t.scalar_type() == dtype, name, " must be ", dtype, "; got ", t.scalar_type());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> chain_select_cpu(
@@ -56,23 +57,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> chain_select_cpu(
   check(rest_in, "rest", at::kDouble, 1);
   check(draft_in, "draft", at::kDouble, 1);
   const int64_t batch = scores_in.size(0), depth = scores_in.size(1), max_depth = gate_on_in.size(0);
-  TORCH_CHECK_VALUE(valid_in.sizes() == scores_in.sizes() && confidence_in.sizes() == scores_in.sizes(),
-                    "valid and confidence must have the shape of scores ", scores_in.sizes());
-  TORCH_CHECK_VALUE(tau_in.size(0) == max_depth && depth <= max_depth, "gate_on and tau must be [D] with D >= d = ",
-                    depth, "; got ", gate_on_in.sizes(), " and ", tau_in.sizes());
+  ECHO_CHECK_VALUE(valid_in.sizes() == scores_in.sizes() && confidence_in.sizes() == scores_in.sizes(),
+                   "valid and confidence must have the shape of scores ", scores_in.sizes());
+  ECHO_CHECK_VALUE(tau_in.size(0) == max_depth && depth <= max_depth, "gate_on and tau must be [D] with D >= d = ",
+                   depth, "; got ", gate_on_in.sizes(), " and ", tau_in.sizes());
   const bool fixed = gain_table_in.numel() == 0;
   int64_t bins = 0;
   if (!fixed) {
     check(gain_table_in, "gain_table", at::kFloat, 2);
-    TORCH_CHECK_VALUE(gain_table_in.size(0) == max_depth && gain_table_in.size(1) >= 1,
-                      "gain_table must be [D, bins] with D = ", max_depth, "; got ", gain_table_in.sizes());
+    ECHO_CHECK_VALUE(gain_table_in.size(0) == max_depth && gain_table_in.size(1) >= 1,
+                     "gain_table must be [D, bins] with D = ", max_depth, "; got ", gain_table_in.sizes());
     bins = gain_table_in.size(1);
-    TORCH_CHECK_VALUE(rest_in.size(0) == batch * depth + 1, "rest must be [B * d + 1] = [", batch * depth + 1,
-                      "]; got ", rest_in.sizes());
-    TORCH_CHECK_VALUE(draft_in.size(0) == depth + 1, "draft must be [d + 1] = [", depth + 1, "]; got ",
-                      draft_in.sizes());
+    ECHO_CHECK_VALUE(rest_in.size(0) == batch * depth + 1, "rest must be [B * d + 1] = [", batch * depth + 1,
+                     "]; got ", rest_in.sizes());
+    ECHO_CHECK_VALUE(draft_in.size(0) == depth + 1, "draft must be [d + 1] = [", depth + 1, "]; got ",
+                     draft_in.sizes());
   }
-  TORCH_CHECK_VALUE(k_cap >= 0 && k_min >= 0, "k_cap and k_min must be >= 0; got ", k_cap, " and ", k_min);
+  ECHO_CHECK_VALUE(k_cap >= 0 && k_min >= 0, "k_cap and k_min must be >= 0; got ", k_cap, " and ", k_min);
 
   at::Tensor counts_t = at::zeros({batch}, scores_in.options().dtype(at::kInt));
   at::Tensor cap_t = at::full({batch}, max_depth, scores_in.options().dtype(at::kInt));
@@ -293,12 +294,13 @@ void argmax_logp_rows(const scalar_t* logits, int64_t rows_begin, int64_t rows_e
 }
 
 std::tuple<at::Tensor, at::Tensor> draft_argmax_logp_cpu(const at::Tensor& logits_in) {
-  TORCH_CHECK_VALUE(logits_in.device().is_cpu(), "logits must be a CPU tensor; got ", logits_in.device());
-  TORCH_CHECK_VALUE(logits_in.dim() == 2, "logits must be [B, V]; got shape ", logits_in.sizes());
+  ECHO_CHECK_VALUE(logits_in.device().is_cpu(), "logits must be a CPU tensor; got ", logits_in.device());
+  ECHO_CHECK_VALUE(logits_in.dim() == 2, "logits must be [B, V]; got shape ", logits_in.sizes());
   const at::Tensor logits = logits_in.contiguous();
   const int64_t batch = logits.size(0), vocab = logits.size(1);
   at::Tensor ids = at::empty({batch}, logits.options().dtype(at::kLong));
   at::Tensor logps = at::empty({batch}, logits.options().dtype(at::kFloat));
+  ECHO_CHECK_FLOATING_DISPATCH(logits.scalar_type(), "draft_argmax_logp");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "draft_argmax_logp", [&] {
     const scalar_t* data = logits.data_ptr<scalar_t>();
     int64_t* id_out = ids.data_ptr<int64_t>();
@@ -362,14 +364,15 @@ void topk_logp_rows(const scalar_t* logits, int64_t rows_begin, int64_t rows_end
 }
 
 std::tuple<at::Tensor, at::Tensor> draft_topk_logp_cpu(const at::Tensor& logits_in, int64_t k) {
-  TORCH_CHECK_VALUE(logits_in.device().is_cpu(), "logits must be a CPU tensor; got ", logits_in.device());
-  TORCH_CHECK_VALUE(logits_in.dim() == 2, "logits must be [B, V]; got shape ", logits_in.sizes());
-  TORCH_CHECK_VALUE(k >= 1 && k <= logits_in.size(1), "top_k = ", k, " must be in [1, vocabulary size ",
-                    logits_in.size(1), "]");
+  ECHO_CHECK_VALUE(logits_in.device().is_cpu(), "logits must be a CPU tensor; got ", logits_in.device());
+  ECHO_CHECK_VALUE(logits_in.dim() == 2, "logits must be [B, V]; got shape ", logits_in.sizes());
+  ECHO_CHECK_VALUE(k >= 1 && k <= logits_in.size(1), "top_k = ", k, " must be in [1, vocabulary size ",
+                   logits_in.size(1), "]");
   const at::Tensor logits = logits_in.contiguous();
   const int64_t batch = logits.size(0), vocab = logits.size(1);
   at::Tensor ids = at::empty({batch, k}, logits.options().dtype(at::kLong));
   at::Tensor logps = at::empty({batch, k}, logits.options().dtype(at::kFloat));
+  ECHO_CHECK_FLOATING_DISPATCH(logits.scalar_type(), "draft_topk_logp");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "draft_topk_logp", [&] {
     const scalar_t* data = logits.data_ptr<scalar_t>();
     int64_t* id_out = ids.data_ptr<int64_t>();

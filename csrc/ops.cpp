@@ -11,6 +11,7 @@
 #include <ATen/ops/empty.h>
 
 #include "budget_op.h"
+#include "check_msg.h"
 
 namespace echo {
 namespace {
@@ -19,15 +20,15 @@ void check_tensor(const at::Tensor& scores, const at::Tensor& tensor, const char
                   bool per_request) {
   const int64_t batch = scores.size(0);
   if (per_request) {
-    TORCH_CHECK_VALUE(tensor.dim() == 1 && tensor.size(0) == batch, name, " must be [B] = [", batch, "]; got ",
-                      tensor.sizes());
+    ECHO_CHECK_VALUE(tensor.dim() == 1 && tensor.size(0) == batch, name, " must be [B] = [", batch, "]; got ",
+                     tensor.sizes());
   } else {
-    TORCH_CHECK_VALUE(tensor.sizes() == scores.sizes(), name, " must have the shape of scores ", scores.sizes(),
-                      "; got ", tensor.sizes());
+    ECHO_CHECK_VALUE(tensor.sizes() == scores.sizes(), name, " must have the shape of scores ", scores.sizes(),
+                     "; got ", tensor.sizes());
   }
-  TORCH_CHECK_TYPE(tensor.scalar_type() == dtype, name, " must be ", dtype, "; got ", tensor.scalar_type());
-  TORCH_CHECK_VALUE(tensor.device() == scores.device(), name, " must be on the device of scores (",
-                    scores.device(), "); got ", tensor.device());
+  ECHO_CHECK_TYPE(tensor.scalar_type() == dtype, name, " must be ", dtype, "; got ", tensor.scalar_type());
+  ECHO_CHECK_VALUE(tensor.device() == scores.device(), name, " must be on the device of scores (",
+                   scores.device(), "); got ", tensor.device());
 }
 
 }  // namespace
@@ -35,17 +36,17 @@ void check_tensor(const at::Tensor& scores, const at::Tensor& tensor, const char
 void check_budget_inputs(const at::Tensor& scores, const at::Tensor& depth, const at::Tensor& parent,
                          const at::Tensor& valid, const at::Tensor& spine, const at::Tensor& depth_cap,
                          const at::Tensor& truncated, int64_t k_max) {
-  TORCH_CHECK_VALUE(scores.dim() == 2, "scores must be [B, N]; got shape ", scores.sizes());
-  TORCH_CHECK_TYPE(scores.scalar_type() == at::kFloat, "scores must be float32; got ", scores.scalar_type());
+  ECHO_CHECK_VALUE(scores.dim() == 2, "scores must be [B, N]; got shape ", scores.sizes());
+  ECHO_CHECK_TYPE(scores.scalar_type() == at::kFloat, "scores must be float32; got ", scores.scalar_type());
   check_tensor(scores, depth, "depth", at::kInt, false);
   check_tensor(scores, parent, "parent", at::kInt, false);
   check_tensor(scores, valid, "valid", at::kBool, false);
   check_tensor(scores, spine, "spine", at::kBool, false);
   check_tensor(scores, depth_cap, "depth_cap", at::kInt, true);
   check_tensor(scores, truncated, "truncated", at::kBool, true);
-  TORCH_CHECK_VALUE(k_max >= 0, "k_max must be an integer >= 0; got ", k_max);
-  TORCH_CHECK_VALUE(scores.numel() <= INT32_MAX, "scores must have fewer than 2^31 nodes; got B * N = ",
-                    scores.numel());
+  ECHO_CHECK_VALUE(k_max >= 0, "k_max must be an integer >= 0; got ", k_max);
+  ECHO_CHECK_VALUE(scores.numel() <= INT32_MAX, "scores must have fewer than 2^31 nodes; got B * N = ",
+                   scores.numel());
 }
 
 void check_budget_outputs(const at::Tensor& scores, const at::Tensor& depth, const at::Tensor& parent,
@@ -68,9 +69,9 @@ void check_budget_outputs(const at::Tensor& scores, const at::Tensor& depth, con
   const at::Tensor* inputs[] = {&scores, &depth, &parent, &valid, &spine, &depth_cap, &truncated};
   for (const Out& out : outs) {
     check_tensor(scores, out.tensor, out.name, out.dtype, out.per_request);
-    TORCH_CHECK_VALUE(out.tensor.is_contiguous(), out.name, " (out) must be contiguous");
-    TORCH_CHECK_VALUE(at::has_internal_overlap(out.tensor) != at::MemOverlap::Yes, out.name,
-                      " (out) must not have internal overlap");
+    ECHO_CHECK_VALUE(out.tensor.is_contiguous(), out.name, " (out) must be contiguous");
+    ECHO_CHECK_VALUE(at::has_internal_overlap(out.tensor) != at::MemOverlap::Yes, out.name,
+                     " (out) must not have internal overlap");
     for (const at::Tensor* input : inputs) {
       at::assert_no_overlap(out.tensor, *input);
     }

@@ -18,6 +18,7 @@
 // kernel cheaper than a per-row loop. Two paths: for the layout of vLLM's x86 kernels (K transposed, V by rows;
 // found affine at run time) a fast path whose loops run over contiguous runs (`fix_task_transposed_k`); for any
 // other layout the generic one, which reads every element through the maps.
+#include "check_msg.h"
 #include "exp_poly.h"
 
 #include <ATen/Dispatch.h>
@@ -42,26 +43,26 @@ namespace echo {
 namespace {
 
 void check_index(const at::Tensor& t, const char* name, int64_t dim) {
-  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor; got ", t.device());
-  TORCH_CHECK_VALUE(t.dim() == dim, name, " must have ", dim, " dims; got shape ", t.sizes());
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, name,
-                   " must be int64 or int32; got ", t.scalar_type());
+  ECHO_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor; got ", t.device());
+  ECHO_CHECK_VALUE(t.dim() == dim, name, " must have ", dim, " dims; got shape ", t.sizes());
+  ECHO_CHECK_TYPE(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, name,
+                  " must be int64 or int32; got ", t.scalar_type());
 }
 
 at::Tensor as_long(const at::Tensor& t) { return t.to(at::kLong).contiguous(); }
 
 void check_cache(const at::Tensor& kv_cache, const at::Tensor& kmap, const at::Tensor& vmap) {
-  TORCH_CHECK_VALUE(kv_cache.device().is_cpu(), "kv_cache must be a CPU tensor; got ", kv_cache.device());
-  TORCH_CHECK_VALUE(kv_cache.dim() == 4, "kv_cache must be [num_blocks, kv_heads, block_size, 2 * head_size]; got ",
-                    kv_cache.sizes());
-  TORCH_CHECK_VALUE(kv_cache.stride(3) == 1 && kv_cache.stride(2) == kv_cache.size(3),
-                    "kv_cache: each (block, head) page must be contiguous; got strides ", kv_cache.strides());
+  ECHO_CHECK_VALUE(kv_cache.device().is_cpu(), "kv_cache must be a CPU tensor; got ", kv_cache.device());
+  ECHO_CHECK_VALUE(kv_cache.dim() == 4, "kv_cache must be [num_blocks, kv_heads, block_size, 2 * head_size]; got ",
+                   kv_cache.sizes());
+  ECHO_CHECK_VALUE(kv_cache.stride(3) == 1 && kv_cache.stride(2) == kv_cache.size(3),
+                   "kv_cache: each (block, head) page must be contiguous; got strides ", kv_cache.strides());
   const int64_t block_size = kv_cache.size(2), head_size = kv_cache.size(3) / 2;
   for (const auto* m : {&kmap, &vmap}) {
-    TORCH_CHECK_VALUE(m->dim() == 2 && m->size(0) == block_size && m->size(1) == head_size,
-                      "kmap / vmap must be [block_size, head_size] = [", block_size, ", ", head_size, "]; got ",
-                      m->sizes());
-    TORCH_CHECK_TYPE(m->scalar_type() == at::kLong, "kmap / vmap must be int64; got ", m->scalar_type());
+    ECHO_CHECK_VALUE(m->dim() == 2 && m->size(0) == block_size && m->size(1) == head_size,
+                     "kmap / vmap must be [block_size, head_size] = [", block_size, ", ", head_size, "]; got ",
+                     m->sizes());
+    ECHO_CHECK_TYPE(m->scalar_type() == at::kLong, "kmap / vmap must be int64; got ", m->scalar_type());
   }
 }
 
@@ -421,12 +422,12 @@ void fix_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, con
     const int64_t req = group_req[g];
     const int64_t drafts = all_bits ? 64 - __builtin_clzll(static_cast<unsigned long long>(all_bits)) : 0;
     const int64_t keys = context[req] + 1 + drafts;
-    TORCH_CHECK_VALUE((keys + block_size - 1) / block_size <= bt_cols, "tree_fix_attention: request row ", req,
-                      " needs ", keys, " keys but its block table holds ", bt_cols * block_size);
+    ECHO_CHECK_VALUE((keys + block_size - 1) / block_size <= bt_cols, "tree_fix_attention: request row ", req,
+                     " needs ", keys, " keys but its block table holds ", bt_cols * block_size);
     for (int64_t b = 0; b < (keys + block_size - 1) / block_size; ++b) {
       const int64_t block = bt[req * bt_s0 + b];
-      TORCH_CHECK_VALUE(block >= 0 && block < num_blocks, "tree_fix_attention: request row ", req, " block ", b,
-                        " is ", block, ", outside the cache's ", num_blocks, " blocks");
+      ECHO_CHECK_VALUE(block >= 0 && block < num_blocks, "tree_fix_attention: request row ", req, " block ", b,
+                       " is ", block, ", outside the cache's ", num_blocks, " blocks");
     }
   }
 
@@ -541,28 +542,28 @@ void tree_fix_attention_cpu(const at::Tensor& query, const at::Tensor& kv_cache,
                             const at::Tensor& fix_rows, const at::Tensor& fix_req, const at::Tensor& fix_bits,
                             double scale, double softcap, const at::Tensor& output) {
   check_cache(kv_cache, kmap, vmap);
-  TORCH_CHECK_VALUE(query.dim() == 3 && query.stride(2) == 1, "query must be [T, H, D] with contiguous rows; got ",
-                    query.sizes(), " strides ", query.strides());
-  TORCH_CHECK_VALUE(output.dim() == 3 && output.stride(2) == 1 && output.size(0) == query.size(0) &&
-                        output.size(1) == query.size(1) && output.size(2) == query.size(2),
-                    "output must be [T, H, D] like query ", query.sizes(), " with contiguous rows; got ",
-                    output.sizes());
-  TORCH_CHECK_VALUE(query.size(2) == kv_cache.size(3) / 2, "query head size ", query.size(2),
-                    " != the cache's ", kv_cache.size(3) / 2);
-  TORCH_CHECK_VALUE(query.size(1) % kv_cache.size(1) == 0, "query heads ", query.size(1),
-                    " are not a multiple of the cache's KV heads ", kv_cache.size(1));
-  TORCH_CHECK_TYPE(query.scalar_type() == kv_cache.scalar_type() && output.scalar_type() == query.scalar_type(),
-                   "query, kv_cache and output must share one dtype; got ", query.scalar_type(), ", ",
-                   kv_cache.scalar_type(), ", ", output.scalar_type());
-  TORCH_CHECK_VALUE(query.device().is_cpu() && output.device().is_cpu(), "query and output must be CPU tensors");
+  ECHO_CHECK_VALUE(query.dim() == 3 && query.stride(2) == 1, "query must be [T, H, D] with contiguous rows; got ",
+                   query.sizes(), " strides ", query.strides());
+  ECHO_CHECK_VALUE(output.dim() == 3 && output.stride(2) == 1 && output.size(0) == query.size(0) &&
+                       output.size(1) == query.size(1) && output.size(2) == query.size(2),
+                   "output must be [T, H, D] like query ", query.sizes(), " with contiguous rows; got ",
+                   output.sizes());
+  ECHO_CHECK_VALUE(query.size(2) == kv_cache.size(3) / 2, "query head size ", query.size(2),
+                   " != the cache's ", kv_cache.size(3) / 2);
+  ECHO_CHECK_VALUE(query.size(1) % kv_cache.size(1) == 0, "query heads ", query.size(1),
+                   " are not a multiple of the cache's KV heads ", kv_cache.size(1));
+  ECHO_CHECK_TYPE(query.scalar_type() == kv_cache.scalar_type() && output.scalar_type() == query.scalar_type(),
+                  "query, kv_cache and output must share one dtype; got ", query.scalar_type(), ", ",
+                  kv_cache.scalar_type(), ", ", output.scalar_type());
+  ECHO_CHECK_VALUE(query.device().is_cpu() && output.device().is_cpu(), "query and output must be CPU tensors");
   check_index(block_table, "block_table", 2);
   check_index(context_len, "context_len", 1);
   check_index(fix_rows, "fix_rows", 1);
   check_index(fix_req, "fix_req", 1);
   check_index(fix_bits, "fix_bits", 1);
   const int64_t num_fix = fix_rows.size(0);
-  TORCH_CHECK_VALUE(fix_req.size(0) == num_fix && fix_bits.size(0) == num_fix, "fix_rows, fix_req and fix_bits ",
-                    "must have one entry per fix row; got ", num_fix, ", ", fix_req.size(0), ", ", fix_bits.size(0));
+  ECHO_CHECK_VALUE(fix_req.size(0) == num_fix && fix_bits.size(0) == num_fix, "fix_rows, fix_req and fix_bits ",
+                   "must have one entry per fix row; got ", num_fix, ", ", fix_req.size(0), ", ", fix_bits.size(0));
   if (num_fix == 0) return;
   const at::Tensor bt = as_long(block_table), ctx = as_long(context_len), rows = as_long(fix_rows);
   const at::Tensor req = as_long(fix_req), bits = as_long(fix_bits);
@@ -573,18 +574,19 @@ void tree_fix_attention_cpu(const at::Tensor& query, const at::Tensor& kv_cache,
   // Fix rows come grouped by request (build_tree_batch lists them request by request).
   std::vector<int64_t> group_start{0}, group_req;
   for (int64_t i = 0; i < num_fix; ++i) {
-    TORCH_CHECK_VALUE(req_ptr[i] >= 0 && req_ptr[i] < num_reqs && req_ptr[i] < bt.size(0), "fix_req[", i, "] = ",
-                      req_ptr[i], " is outside the ", std::min(num_reqs, bt.size(0)), " requests");
-    TORCH_CHECK_VALUE(rows_ptr[i] >= 0 && rows_ptr[i] < num_tokens, "fix_rows[", i, "] = ", rows_ptr[i],
-                      " is outside the ", num_tokens, " query rows");
+    ECHO_CHECK_VALUE(req_ptr[i] >= 0 && req_ptr[i] < num_reqs && req_ptr[i] < bt.size(0), "fix_req[", i, "] = ",
+                     req_ptr[i], " is outside the ", std::min(num_reqs, bt.size(0)), " requests");
+    ECHO_CHECK_VALUE(rows_ptr[i] >= 0 && rows_ptr[i] < num_tokens, "fix_rows[", i, "] = ", rows_ptr[i],
+                     " is outside the ", num_tokens, " query rows");
     if (i > 0 && req_ptr[i] != req_ptr[i - 1]) {
-      TORCH_CHECK_VALUE(req_ptr[i] > req_ptr[i - 1], "fix_req must be sorted (rows grouped by request)");
+      ECHO_CHECK_VALUE(req_ptr[i] > req_ptr[i - 1], "fix_req must be sorted (rows grouped by request)");
       group_start.push_back(i);
     }
     if (i == 0 || req_ptr[i] != req_ptr[i - 1]) group_req.push_back(req_ptr[i]);
   }
   group_start.push_back(num_fix);
   at::Tensor out = output;
+  ECHO_CHECK_FLOATING_DISPATCH(query.scalar_type(), "tree_fix_attention");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "tree_fix_attention", [&] {
     fix_attention_impl<scalar_t>(query, kv_cache, km.data_ptr<int64_t>(), vm.data_ptr<int64_t>(), bt,
                                  ctx.data_ptr<int64_t>(), rows_ptr, bits.data_ptr<int64_t>(), group_start,
@@ -597,8 +599,8 @@ void tree_kv_compact_cpu(const at::Tensor& kv_cache, const at::Tensor& kmap, con
   check_cache(kv_cache, kmap, vmap);
   check_index(src_slots, "src_slots", 1);
   check_index(dst_slots, "dst_slots", 1);
-  TORCH_CHECK_VALUE(src_slots.size(0) == dst_slots.size(0), "tree_kv_compact: ", src_slots.size(0),
-                    " sources but ", dst_slots.size(0), " destinations");
+  ECHO_CHECK_VALUE(src_slots.size(0) == dst_slots.size(0), "tree_kv_compact: ", src_slots.size(0),
+                   " sources but ", dst_slots.size(0), " destinations");
   const int64_t n = src_slots.size(0);
   if (n == 0) return;
   const at::Tensor src = as_long(src_slots), dst = as_long(dst_slots);
@@ -608,10 +610,11 @@ void tree_kv_compact_cpu(const at::Tensor& kv_cache, const at::Tensor& kmap, con
   const int64_t c_s0 = kv_cache.stride(0), c_s1 = kv_cache.stride(1);
   const int64_t *s = src.data_ptr<int64_t>(), *t = dst.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK_VALUE(s[i] >= 0 && s[i] < num_slots && t[i] >= 0 && t[i] < num_slots, "tree_kv_compact: move ", i,
-                      " (slot ", s[i], " -> ", t[i], ") is outside the cache's ", num_slots, " slots");
+    ECHO_CHECK_VALUE(s[i] >= 0 && s[i] < num_slots && t[i] >= 0 && t[i] < num_slots, "tree_kv_compact: move ", i,
+                     " (slot ", s[i], " -> ", t[i], ") is outside the cache's ", num_slots, " slots");
   }
   const int64_t *kmp = km.data_ptr<int64_t>(), *vmp = vm.data_ptr<int64_t>();
+  ECHO_CHECK_FLOATING_DISPATCH(kv_cache.scalar_type(), "tree_kv_compact");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, kv_cache.scalar_type(), "tree_kv_compact", [&] {
     scalar_t* c = kv_cache.data_ptr<scalar_t>();
     // Gather every source first: overlapping moves are then exact whatever their order.

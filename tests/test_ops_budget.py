@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 import pytest
 import torch
@@ -231,6 +232,16 @@ def test_k_max_beyond_int64_through_the_wrapper():
             ops.select_budget_flat(*args, bad)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_k_max_at_and_below_all_nodes(layout):
+    # The wrapper clamps any larger k_max to B * N: the op must take B * N (and B * N - 1) like any other.
+    for seed, valid_p, trunc_p in ((4, 0.9, 0.5), (5, 1.0, 1.0)):
+        args = make_case(seed, 7, 64, layout, "mixed", valid_p, False, trunc_p, "zero")[:-1]
+        for k_max in (7 * 64, 7 * 64 - 1):
+            assert_same(select_budget_reference(*args, k_max), torch.ops.echo.select_budget(*args, k_max))
+            assert_same(select_budget_reference(*args, k_max), ops.select_budget_flat(*args, k_max))
+
+
 def _good_args(batch=4, num_nodes=8):
     return list(make_case(1, batch, num_nodes, "depth_major", "continuous", 1.0, False, 0.5, "random"))
 
@@ -259,6 +270,33 @@ def test_bad_inputs_raise_from_the_op(index, bad, exc, name):
         torch.ops.echo.select_budget(*args)
     with pytest.raises(exc, match=name):
         torch.ops.echo.select_budget_out(*args, *_empty_outs(args[0] if args[0].dim() == 2 else torch.zeros(4, 8)))
+
+
+@pytest.mark.parametrize(
+    "index,bad,exc,message",
+    [
+        (0, torch.zeros(4, 8, dtype=torch.float64), TypeError, "scores must be float32; got Double"),
+        (0, torch.zeros(32), ValueError, "scores must be [B, N]; got shape [32]"),
+        (1, torch.zeros(4, 8, dtype=torch.int64), TypeError, "depth must be Int; got Long"),
+        (1, torch.zeros(4, 9, dtype=torch.int32), ValueError, "depth must have the shape of scores [4, 8]; got [4, 9]"),
+        (5, torch.zeros(4, 1, dtype=torch.int32), ValueError, "depth_cap must be [B] = [4]; got [4, 1]"),
+        (
+            6,
+            torch.zeros(4, dtype=torch.bool, device="meta"),
+            ValueError,
+            "truncated must be on the device of scores (cpu); got meta",
+        ),
+        (7, -1, ValueError, "k_max must be an integer >= 0; got -1"),
+        (7, -(2**63), ValueError, "k_max must be an integer >= 0; got -9223372036854775808"),
+    ],
+)
+def test_error_messages_are_exact(index, bad, exc, message):
+    # The op's checks format without iostreams (csrc/check_msg.h): an extension linked against a static libstdc++
+    # crashed formatting an integer into TORCH_CHECK's ostringstream (k_max = -1 above). Same text as before.
+    args = _good_args()
+    args[index] = bad
+    with pytest.raises(exc, match="^" + re.escape(message)):
+        torch.ops.echo.select_budget(*args)
 
 
 @pytest.mark.parametrize(

@@ -38,6 +38,8 @@ from echo_vllm.vllm.tree_attn_cuda import (  # noqa: E402
     merge_vllm,
     prefix_attention_reference,
     suffix_attention,
+    suffix_kv,
+    suffix_mask,
 )
 
 
@@ -98,6 +100,54 @@ def test_impl_fix_rows_write_only_the_fix_rows(monkeypatch):
     short.query_start_loc = step.query_start_loc[:2]
     with pytest.raises(RuntimeError, match="not cleared"):
         impl._fix_tree_rows(step.batch, step.query, step.key, step.value, step.kv_cache, short, output)
+
+
+def _torch_suffix_merge(output, query, key, value, out_a, lse_a, batch, scale, softcap):
+    """`tree_attn_triton.tree_suffix_merge`'s contract in torch (its specification), for the CPU wiring test."""
+    rows = batch.fix_rows.long()
+    k, v = suffix_kv(key, value, batch)
+    out_b, lse_b = suffix_attention(query[rows], k, v, suffix_mask(batch), scale, softcap)
+    output.index_copy_(0, rows, merge_by_lse(out_a, lse_a, out_b, lse_b)[0].to(output.dtype))
+
+
+def test_impl_fused_branch_wiring(monkeypatch):
+    """The CUDA branch of `_fix_tree_rows` (per-step fix-row groups, the FA prefix over the fix rows' queries, one
+    suffix + merge call writing into the output) on CPU tensors, with the kernel's torch specification standing in
+    for Triton: the same rows as the dense reference, the groups computed once per step."""
+    step = make_step()
+    impl = EchoTreeFlashAttentionImpl(HEADS, HEAD, SCALE, KV_HEADS, None, None, "auto")
+    calls = {"prefix": 0, "fused": 0}
+
+    def prefix(q, kc, vc, table, cu, used, scale, softcap, *, max_seqlen_q, max_seqlen_k):
+        calls["prefix"] += 1
+        assert q.shape[0] == step.batch.num_fix_rows and table.shape[0] == len(REQS)
+        return prefix_attention_reference(q, kc, vc, table, cu, used, scale, softcap)
+
+    def fused(*args):
+        calls["fused"] += 1
+        _torch_suffix_merge(*args)
+
+    monkeypatch.setattr(impl, "_prefix_fa", prefix)
+    monkeypatch.setattr(tree_attn_cuda, "fused_suffix_merge_for", lambda device: fused)
+    output = torch.full((step.query.shape[0], HEADS * HEAD), 7.0)
+    for _ in range(2):  # two layers of one step
+        impl._fix_tree_rows(step.batch, step.query, step.key, step.value, step.kv_cache, _meta(step), output)
+    assert calls == {"prefix": 2, "fused": 2}
+    assert list(step.batch.layer_plans) == ["fa_fix_rows"]  # computed by the first layer, shared by the second
+    got = output.view(-1, HEADS, HEAD)
+    torch.testing.assert_close(got[step.batch.fix_rows], dense_reference(step), atol=1e-5, rtol=1e-5)
+    others = torch.ones(output.shape[0], dtype=torch.bool)
+    others[step.batch.fix_rows] = False
+    assert (got[others] == 7.0).all()
+    # A KV-sharing layer (no key / value rows) takes the torch path, which reads the drafts from the paged cache.
+    shared = torch.full_like(output, 7.0)
+    impl._fix_tree_rows(step.batch, step.query, None, None, step.kv_cache, _meta(step), shared)
+    assert calls == {"prefix": 3, "fused": 2}
+    torch.testing.assert_close(shared, output, atol=1e-5, rtol=1e-5)
+
+
+def test_no_fused_kernel_off_cuda():
+    assert tree_attn_cuda.fused_suffix_merge_for(torch.device("cpu")) is None
 
 
 def test_impl_refuses_unsupported_layers():

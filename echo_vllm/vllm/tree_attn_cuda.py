@@ -251,7 +251,7 @@ class EchoTreeFlashAttentionImpl(FlashAttentionImpl):
         prefix = functools.partial(self._prefix_fa, max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len)
         out = output.view(output.shape[0], self.num_heads, -1)  # callers pass [T, H, Dv] or [T, H * Dv]
         softcap = float(self.logits_soft_cap or 0.0)
-        fused = _fused_suffix_merge() if query.is_cuda and key is not None and value is not None else None
+        fused = fused_suffix_merge_for(query.device) if key is not None and value is not None else None
         if fused is not None and key is not None and value is not None:
             # Three launches per layer: the fix rows' queries, FA's prefix pass, the Triton suffix + merge + write.
             groups = _step_fix_row_groups(batch)
@@ -286,6 +286,11 @@ def _step_fix_row_groups(batch: tree_state.TreeBatch) -> StepFixRows:
             batch.fix_rows.long(), groups.cu_seqlens_q, groups.seqused_k
         )
     return plan
+
+
+def fused_suffix_merge_for(device: torch.device) -> Callable[..., None] | None:
+    """The one-launch suffix + merge for a layer on `device` (CUDA only; None: run the torch composition)."""
+    return _fused_suffix_merge() if device.type == "cuda" else None
 
 
 @functools.cache

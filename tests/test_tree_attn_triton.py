@@ -103,6 +103,19 @@ def test_merge_conventions_empty_prefix_and_positive_infinity():
         torch.testing.assert_close(got[rows], spec_neg, atol=1e-5, rtol=1e-5)
 
 
+def test_suffix_kernel_padded_grid():
+    """Only the first num_fix rows are written: the rest of a graph's padded buffers is left alone."""
+    step = make_step(device=DEVICE, seed=11)
+    out_a, lse_a = _prefix(step)
+    rows = step.batch.fix_rows.long()
+    full = _fused(step, out_a, lse_a)
+    output = torch.full_like(step.query, 7.0)
+    real = torch.tensor([4], dtype=torch.int32, device=DEVICE)
+    tree_suffix_merge(output, step.query, step.key, step.value, out_a, lse_a, step.batch, SCALE, num_fix=real)
+    torch.testing.assert_close(output[rows[:4]], full[rows[:4]], atol=0, rtol=0)
+    assert (output[rows[4:]] == 7.0).all()
+
+
 def test_refuses_mismatched_prefix_parts():
     step = make_step(device=DEVICE, seed=8)
     out_a, lse_a = _prefix(step)

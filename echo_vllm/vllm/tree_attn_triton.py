@@ -31,6 +31,7 @@ def _tree_suffix_merge_kernel(
     out_a_ptr,
     lse_a_ptr,
     out_ptr,
+    num_fix_ptr,
     fix_rows_ptr,
     fix_req_ptr,
     fix_bits_ptr,
@@ -59,6 +60,8 @@ def _tree_suffix_merge_kernel(
     USE_SOFTCAP: tl.constexpr,
 ):
     f = tl.program_id(0)
+    if f >= tl.load(num_fix_ptr):  # a padded grid (CUDA graphs): rows past the step's fix rows do nothing
+        return
     h = tl.program_id(1)
     row = tl.load(fix_rows_ptr + f).to(tl.int64)
     req = tl.load(fix_req_ptr + f).to(tl.int64)
@@ -121,13 +124,15 @@ def tree_suffix_merge(
     batch: tree_state.TreeBatch,
     scale: float,
     softcap: float = 0.0,
+    num_fix: torch.Tensor | None = None,
 ) -> None:
     """Write the tree-masked attention of the batch's fix rows into output [T, H, Dv] (rows batch.fix_rows):
     the prefix part out_a [F, H, Dv] / lse_a [H, F] (FlashAttention's, over context + root) merged with the masked
     suffix over this step's draft rows of key [T, Hkv, D] / value [T, Hkv, Dv]. query [T, H, D]. One launch; no
-    host sync (every size comes from a tensor shape)."""
-    num_fix = batch.fix_rows.shape[0]
-    if num_fix == 0:
+    host sync (every size comes from a tensor shape). num_fix (a 1-element int32 device tensor, default: F) says
+    how many of the F fix rows are real, so that a CUDA graph captured over padded buffers can be replayed."""
+    capacity = batch.fix_rows.shape[0]
+    if capacity == 0:
         return
     heads, head_d = query.shape[1], query.shape[2]
     kv_heads, head_dv = key.shape[1], value.shape[2]
@@ -137,13 +142,15 @@ def tree_suffix_merge(
     for name, t in (("query", query), ("key", key), ("value", value), ("out_a", out_a), ("output", output)):
         if t.stride(-1) != 1:
             raise ValueError(f"tree_suffix_merge: {name} must have a unit stride in its last dimension")
-    if out_a.shape != (num_fix, heads, head_dv) or lse_a.shape != (heads, num_fix):
+    if out_a.shape != (capacity, heads, head_dv) or lse_a.shape != (heads, capacity):
         raise ValueError(
             f"tree_suffix_merge: prefix parts {tuple(out_a.shape)} / {tuple(lse_a.shape)} do not match "
-            f"{num_fix} fix rows x {heads} heads x {head_dv}"
+            f"{capacity} fix rows x {heads} heads x {head_dv}"
         )
-    _tree_suffix_merge_kernel[(num_fix, heads)](
-        query, key, value, out_a, lse_a, output,
+    if num_fix is None:
+        num_fix = torch.full((1,), capacity, dtype=torch.int32, device=query.device)
+    _tree_suffix_merge_kernel[(capacity, heads)](
+        query, key, value, out_a, lse_a, output, num_fix,
         batch.fix_rows, batch.fix_req, batch.fix_bits, batch.root_row, batch.num_draft,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         out_a.stride(0), out_a.stride(1), lse_a.stride(0), lse_a.stride(1), output.stride(0), output.stride(1),

@@ -220,9 +220,10 @@ def test_startup_line_names_settings_calibration_op_and_vllm():
         settings=EchoSettings(k_max=6, delta=0.7),
         calibration="warmup",
         budget_op="cpu:csrc",
+        tree_fixup="cpu:csrc",
     )
     assert line.startswith("ECHO proposer: max_depth=4 k_max=6 gate_mode=sparse delta=0.7 ")
-    for field in ("calibration=warmup", "budget_op=cpu:csrc", "vllm=0.32.0", "runner=CPUModelRunner"):
+    for field in ("calibration=warmup", "budget_op=cpu:csrc", "trees=cpu:csrc", "vllm=0.32.0", "runner=CPUModelRunner"):
         assert field in line
 
 

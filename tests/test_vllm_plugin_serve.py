@@ -155,6 +155,7 @@ def test_temperature_sampling_completes(server):
     assert any(chunk.choices for chunk in chat)
     text = log.read_text()
     assert "ECHO proposer: max_depth=4 k_max=6" in text  # the worker really runs ECHO
+    assert "trees=cpu:csrc" in text  # trees by default (top_k 4), fixed up by the compiled CPU ops
     assert "Traceback" not in text
 
 

@@ -322,7 +322,20 @@ class EchoProposer(EagleProposer):
             settings=self.echo_settings,
             calibration=self.calibration_source,
             budget_op=f"{kind}:{active_implementation().get(kind, 'reference')}",
+            tree_fixup=self._tree_fixup_name(torch.device(device)),
         )
+
+    def _tree_fixup_name(self, device: torch.device) -> str:
+        """Which code recomputes the tree rows' attention on this device (the start-up line's `trees=`)."""
+        if not self.tree_mode:
+            return "chains"
+        if device.type == "cuda":
+            from echo_vllm.vllm.tree_attn_cuda import fused_suffix_merge_for
+
+            return "cuda:triton" if fused_suffix_merge_for(device) is not None else "cuda:torch"
+        from echo_vllm.ops.tree import compiled_tree_ops
+
+        return f"{device.type}:{'csrc' if compiled_tree_ops(device) else 'torch'}"
 
     # ---------------------------------------------------------------------------------------------------------
     # Drafting

@@ -39,12 +39,14 @@ def format_startup_line(
     settings: Any,
     calibration: str,
     budget_op: str,
+    tree_fixup: str = "chains",
 ) -> str:
     """The one start-up line of a worker: what runs (vLLM release and runner), how ECHO is set, where its gates
-    come from, and which implementation of the budget op serves this device (csrc C++/CUDA or the reference)."""
+    come from, which implementation of the budget op serves this device (csrc C++/CUDA or the reference), and
+    which tree fix-up verifies trees ("chains": no trees; cpu:csrc / cpu:torch; cuda:triton / cuda:torch)."""
     return (
         f"{STARTUP_PREFIX} max_depth={max_depth} k_max={settings.k_max} gate_mode={settings.gate_mode} "
         f"delta={settings.delta} warmup_steps={settings.warmup_steps} surplus_tail={settings.surplus_tail} "
         f"fault_limit={settings.fault_limit} calibration={calibration} budget_op={budget_op} "
-        f"vllm={vllm_version or 'unknown'} runner={runner}"
+        f"trees={tree_fixup} vllm={vllm_version or 'unknown'} runner={runner}"
     )

@@ -162,3 +162,22 @@ def test_structured_output_verifies_chains(prompts, tmp_path):
     stats = result["echo_stats"]
     assert stats["tree_chain_fallbacks"] > 0 and stats["tree_moved"] == 0
     assert not any(s["tree_step"] for s in steps)
+
+
+def test_integer_k_max_drafts_chains_once_width_does_not_fit_and_looks_on_its_clock(prompts, baselines, tmp_path):
+    """With an integer k_max that spines alone fill (8 requests, cap 8: Priority 2 never gets a node), the width
+    schedule drafts chains after WIDTH_PATIENCE tree steps that bought no sibling, and drafts siblings again only
+    on its own look clock (every probe_interval steps: there is no depth plan to probe). Still lossless."""
+    from echo_vllm.core.width_schedule import WIDTH_PATIENCE
+
+    echo = {"k_max": 8, "top_k": 4, "warmup_steps": 8, "min_samples_per_class": 2, "probe_interval": 16}
+    result, steps = _echo(prompts, tmp_path, 8, echo)
+    assert not _mismatches(baselines(8), result["token_ids"]), "trees changed the greedy output"
+    flags = [bool(s["tree_step"]) for s in steps if s["phase"] == "fixed"]
+    assert len(flags) >= 40, len(flags)
+    assert all(flags[:WIDTH_PATIENCE]), flags[:WIDTH_PATIENCE]
+    later = flags[WIDTH_PATIENCE:]
+    looks = [i for i, tree in enumerate(later, start=WIDTH_PATIENCE) if tree]
+    assert looks, "no look after the schedule went to chains"
+    assert all((i + 1) % 16 == 0 for i in looks), looks  # only on the clock
+    assert len(later) - len(looks) >= len(later) * 3 // 4  # mostly chains

@@ -23,13 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
-import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from cuda_timing import cuda_ms, graph_ms, host_ms  # scripts/ is on sys.path when run as a script
 
 from echo_vllm.vllm import tree_state
 from echo_vllm.vllm.tree_attn_split import (
@@ -43,49 +41,6 @@ from echo_vllm.vllm.tree_attn_split import (
 
 HEADS, KV_HEADS, HEAD, BLOCK = 32, 8, 128, 16
 PARENTS = (-1, 0, 1, 2, -1, -1, -1, 0, 0, 0, 1, 1, 1, 2, 2, 2)  # spine of 4, then 3 siblings per depth
-
-
-def cuda_ms(fn: Callable[[], object], repeats: int = 100, warmup: int = 10) -> float:
-    if not torch.cuda.is_available():  # --device cpu: a smoke run of the script itself
-        return host_ms(fn, repeats=3)
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def graph_ms(fn: Callable[[], object], replays: int = 50) -> float:
-    """Median CUDA-graph replay time of fn: its GPU work without the host's launch overhead."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return cuda_ms(graph.replay, repeats=replays)
-
-
-def host_ms(fn: Callable[[], object], repeats: int = 50) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
 
 
 def measure(num_reqs: int, context: int, dev: torch.device) -> dict[str, float]:

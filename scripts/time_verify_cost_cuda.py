@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
+from cuda_timing import graph_ms  # scripts/ is on sys.path when run as a script
 
 HIDDEN, HEADS, KV_HEADS, HEAD, MLP, VOCAB, LAYERS = 4096, 32, 8, 128, 14336, 128256, 32
 
@@ -61,37 +61,12 @@ class Layer:
         return x + F.linear(F.silu(gate) * up, self.down)
 
 
-def graph_ms(fn, replays: int = 30) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return statistics.median(times)
-
-
 def step_ms(layer: Layer, head: torch.Tensor, batch: int, rows: int, context: int, gen: torch.Generator) -> dict:
     x = torch.randn((batch, rows, HIDDEN), device="cuda", generator=gen, dtype=torch.bfloat16)
     k_all = torch.randn((batch, KV_HEADS, context + rows, HEAD), device="cuda", generator=gen, dtype=torch.bfloat16)
     v_all = torch.randn_like(k_all)
-    layer_ms = graph_ms(lambda: layer(x, k_all, v_all))
-    head_ms = graph_ms(lambda: F.linear(x, head))
+    layer_ms = graph_ms(lambda: layer(x, k_all, v_all), replays=30)
+    head_ms = graph_ms(lambda: F.linear(x, head), replays=30)
     return {
         "batch": batch,
         "rows_per_request": rows,

@@ -46,6 +46,20 @@ def _fused(step, out_a, lse_a, batch=None, softcap=0.0):
     return output
 
 
+def _assert_fix_rows(step, output, spec, dtype, softcap):
+    """The fix rows equal the torch specification (and, without softcap, the dense reference); every other row
+    keeps the 7.0 it was poisoned with."""
+    rows = step.batch.fix_rows.long()
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(output[rows].float(), spec.to(dtype).float(), **tol)
+    others = torch.ones(step.query.shape[0], dtype=torch.bool, device=DEVICE)
+    others[rows] = False
+    assert (output[others] == 7.0).all()
+    if not softcap:
+        loose = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+        torch.testing.assert_close(output[rows].float().cpu(), dense_reference(step), **loose)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("softcap", [0.0, 5.0])
 def test_kernel_equals_the_split_specification(dtype, softcap):
@@ -60,19 +74,11 @@ def test_kernel_equals_the_split_specification(dtype, softcap):
         )
     out_a = out_a.to(dtype)  # FA returns the query dtype and a float32 LSE
     output = _fused(step, out_a, lse_a, softcap=softcap)
-    rows = step.batch.fix_rows.long()
     spec = tree_fix_rows(
         step.query, step.key, step.value, key_cache, value_cache, step.block_table, step.batch, SCALE, softcap,
         prefix_fn=lambda *args: (out_a, lse_a),
     )  # fmt: skip
-    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
-    torch.testing.assert_close(output[rows].float(), spec.to(dtype).float(), **tol)
-    others = torch.ones(step.query.shape[0], dtype=torch.bool, device=DEVICE)
-    others[rows] = False
-    assert (output[others] == 7.0).all()
-    if not softcap:
-        loose = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
-        torch.testing.assert_close(output[rows].float().cpu(), dense_reference(step), **loose)
+    _assert_fix_rows(step, output, spec, dtype, softcap)
 
 
 def test_a_wrong_mask_changes_the_result():
@@ -146,18 +152,10 @@ def test_whole_row_kernel_equals_the_split_specification(dtype, softcap, block_k
     step = make_step(dtype=dtype, device=DEVICE, seed=9)
     key_cache, value_cache = fa_kv_views(step.kv_cache, HEAD)
     output = _whole(step, softcap=softcap, block_k=block_k)
-    rows = step.batch.fix_rows.long()
     spec = tree_fix_rows(
         step.query, step.key, step.value, key_cache, value_cache, step.block_table, step.batch, SCALE, softcap
     )
-    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
-    torch.testing.assert_close(output[rows].float(), spec.to(dtype).float(), **tol)
-    others = torch.ones(step.query.shape[0], dtype=torch.bool, device=DEVICE)
-    others[rows] = False
-    assert (output[others] == 7.0).all()
-    if not softcap:
-        loose = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
-        torch.testing.assert_close(output[rows].float().cpu(), dense_reference(step), **loose)
+    _assert_fix_rows(step, output, spec, dtype, softcap)
 
 
 def test_whole_row_kernel_wrong_mask_and_padded_grid():

@@ -114,6 +114,18 @@ def _tree_suffix_merge_kernel(
     tl.store(out_ptr + row * stride_ot + h * stride_oh + dv, merged.to(out_ptr.dtype.element_ty), mask=dv_ok)
 
 
+def _check_step(op: str, batch: tree_state.TreeBatch, **tensors: torch.Tensor) -> int:
+    """The kernels' shared argument checks; returns the step's widest request (drafts per request, <= 64: a fix
+    row's ancestor bits are one int64)."""
+    width = batch.parent_local.shape[1]
+    if width > 64:
+        raise ValueError(f"{op}: {width} drafts per request exceed the 64 a fix row's bit mask holds")
+    for name, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"{op}: {name} must have a unit stride in its last dimension")
+    return width
+
+
 def tree_suffix_merge(
     output: torch.Tensor,
     query: torch.Tensor,
@@ -136,12 +148,7 @@ def tree_suffix_merge(
         return
     heads, head_d = query.shape[1], query.shape[2]
     kv_heads, head_dv = key.shape[1], value.shape[2]
-    width = batch.parent_local.shape[1]
-    if width > 64:
-        raise ValueError(f"tree_suffix_merge: {width} drafts per request exceed the 64 a fix row's bit mask holds")
-    for name, t in (("query", query), ("key", key), ("value", value), ("out_a", out_a), ("output", output)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"tree_suffix_merge: {name} must have a unit stride in its last dimension")
+    width = _check_step("tree_suffix_merge", batch, query=query, key=key, value=value, out_a=out_a, output=output)
     if out_a.shape != (capacity, heads, head_dv) or lse_a.shape != (heads, capacity):
         raise ValueError(
             f"tree_suffix_merge: prefix parts {tuple(out_a.shape)} / {tuple(lse_a.shape)} do not match "
@@ -308,14 +315,10 @@ def tree_fix_rows_fused(
         return
     heads, head_d = query.shape[1], query.shape[2]
     kv_heads, head_dv = key.shape[1], value.shape[2]
-    width = batch.parent_local.shape[1]
-    if width > 64:
-        raise ValueError(f"tree_fix_rows_fused: {width} drafts per request exceed the 64 a fix row's bit mask holds")
-    for name, t in (("query", query), ("key", key), ("value", value), ("output", output)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"tree_fix_rows_fused: {name} must have a unit stride in its last dimension")
-    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
-        raise ValueError("tree_fix_rows_fused: the paged caches must have a unit stride in their last dimension")
+    width = _check_step(
+        "tree_fix_rows_fused", batch, query=query, key=key, value=value, output=output,
+        key_cache=key_cache, value_cache=value_cache,
+    )  # fmt: skip
     if num_fix is None:
         num_fix = torch.full((1,), capacity, dtype=torch.int32, device=query.device)
     _tree_fix_rows_kernel[(capacity, heads)](

@@ -109,6 +109,14 @@ class EchoSettings(BaseModel):
         "the rest; 0 = every request's full chain (a probe then verifies B x depth drafts, a cost that grows with "
         "B where verification is linear in tokens).",
     )
+    depth_switch_margin: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=10.0,
+        description="k_max 'auto': the depth plan leaves its current draft depth only for a depth whose lead over "
+        "it, averaged over recent steps, exceeds this many standard errors of the per-step difference; 0 = always "
+        "the depth worth most on average (neighbouring depths worth nearly the same then swap with the noise).",
+    )
     plain_hindsight: bool = Field(
         default=False,
         description="k_max 'auto': a step that verifies nothing still updates the depth plan, every depth valued "

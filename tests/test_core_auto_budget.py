@@ -13,6 +13,7 @@ from echo_vllm.core.acceptance import AcceptanceModel
 from echo_vllm.core.auto_budget import (
     DraftController,
     DraftPlan,
+    LevelMemory,
     choose_budget,
     drafting_can_stop,
     priority_rank,
@@ -234,6 +235,94 @@ def test_draft_controller_drafts_to_the_depth_worth_most_and_probes():
     control.observe(0)  # a plain step: nothing measured
     probe = control.plan(8, 24)  # step 6: a probe
     assert probe.probe and probe.depth == 3 and probe.k_cap == 24
+
+
+def test_the_paired_lead_of_one_depth_over_another_and_its_standard_error():
+    """LevelMemory.lead: the weighted mean of the per-step difference and its standard error over the effective
+    sample size of the exponential weights (checked against a direct computation)."""
+    memory = LevelMemory(2)
+    assert memory.lead(1, 0) == (0.0, float("inf"))
+    steps = [[1.0, 1.30, 1.10], [1.0, 1.05, 1.40], [1.0, 1.20, float("nan")], [1.0, 1.10, 1.00]]
+    a = 0.3
+    for levels in steps:
+        memory.add(levels, a, 8)
+    weights = [a * (1 - a) ** (len(steps) - 1 - i) for i in range(len(steps))]
+    diffs = [levels[1] - levels[0] for levels in steps]
+    w, w2 = sum(weights), sum(x * x for x in weights)
+    mean = sum(x * d for x, d in zip(weights, diffs)) / w
+    n_eff = w * w / w2
+    var = (sum(x * d * d for x, d in zip(weights, diffs)) / w - mean * mean) * n_eff / (n_eff - 1)
+    got_mean, got_error = memory.lead(1, 0)
+    assert got_mean == pytest.approx(mean) and got_error == pytest.approx((var / n_eff) ** 0.5)
+    assert memory.lead(0, 1)[0] == pytest.approx(-mean) and memory.lead(0, 1)[1] == pytest.approx(got_error)
+    # Depth 2 was not measured on the third step: its pair with depth 1 counts three steps, not four.
+    kept = [i for i, levels in enumerate(steps) if levels[2] == levels[2]]
+    w3 = [a * (1 - a) ** sum(1 for j in kept if j > i) for i in kept]
+    mean21 = sum(x * (steps[i][2] - steps[i][1]) for x, i in zip(w3, kept)) / sum(w3)
+    assert memory.lead(2, 1)[0] == pytest.approx(mean21)
+    one = LevelMemory(1)
+    one.add([1.0, 2.0], a, 8)
+    assert one.lead(1, 0) == (pytest.approx(1.0), float("inf"))  # one step: no error estimate, no switch on it
+
+
+def _plan_switches(margin: float, lead_of_two: float, seed: int, steps: int = 400) -> tuple[int, list[int]]:
+    """A batch-16 plan over depths 0..2 whose per-step worths are noisy (s.d. 0.1 of plain, as measured on the
+    testbed) around 1.0 / 1.15 / 1.15 + lead_of_two: the number of times the plan changed depth, and its depths."""
+    gen = torch.Generator().manual_seed(seed)
+    control = DraftController(2, probe_interval=0, switch_margin=margin)
+    depths = []
+    for _ in range(steps):
+        plan = control.plan(16, 32)
+        depths.append(plan.depth)
+        control.observe(16)
+        noise = torch.randn(2, generator=gen).tolist()
+        control.observe_levels([1.0, 1.15 + 0.1 * noise[0], 1.15 + lead_of_two + 0.1 * noise[1]], 16)
+    return sum(1 for x, y in zip(depths[1:], depths[2:]) if x != y), depths
+
+
+def test_a_switch_margin_keeps_the_plan_still_between_depths_worth_the_same():
+    """Depths 1 and 2 worth the same: the argmax follows the noise; with a margin of 2 standard errors the plan
+    changes depth a handful of times; it never goes plain (far below both)."""
+    for seed in range(3):
+        loose, _ = _plan_switches(0.0, 0.0, seed)
+        still, depths = _plan_switches(2.0, 0.0, seed)
+        assert loose > 40, loose
+        assert still < loose / 4, (still, loose)
+        assert 0 not in depths
+
+
+def test_a_switch_margin_still_follows_a_real_lead():
+    """Depth 2 worth 0.1 of plain more than depth 1 (one per-step s.d.): with the margin the plan settles at depth
+    2 and stays there on most steps."""
+    for seed in range(3):
+        _, depths = _plan_switches(2.0, 0.1, seed)
+        assert depths[-200:].count(2) > 180, depths[-200:].count(2)
+
+
+def _steps_to_leave_a_collapsed_depth(margin: float) -> int:
+    gen = torch.Generator().manual_seed(0)
+    control = DraftController(2, probe_interval=0, switch_margin=margin)
+    for step in range(120):
+        plan = control.plan(16, 32)
+        if step == 60:
+            assert plan.depth == 2
+        if step >= 60:
+            after = step - 60
+            if plan.depth == 1:
+                break
+        control.observe(16)
+        noise = torch.randn(2, generator=gen).tolist()
+        two = 1.4 if step < 60 else 0.9
+        control.observe_levels([1.0, 1.15 + 0.05 * noise[0], two + 0.05 * noise[1]], 16)
+    assert plan.depth == 1
+    return after
+
+
+def test_a_switch_margin_leaves_a_depth_whose_worth_collapses():
+    """The plan sits at depth 2; then depth 2 turns much worse than depth 1 (text got hard): with the margin it
+    moves within ~10 steps (the change itself inflates the difference's variance), the argmax within ~4."""
+    assert _steps_to_leave_a_collapsed_depth(0.0) <= 4
+    assert _steps_to_leave_a_collapsed_depth(2.0) <= 10
 
 
 def test_next_depth_probes_draft_one_deeper_than_the_best():

@@ -229,6 +229,8 @@ def test_corrupt_calibration_file_is_clear_error(root, tmp_path):
         ({"profile_steps": 1}, "echo.profile_steps"),
         ({"probe_interval": -1}, "echo.probe_interval"),
         ({"probe_depth": "deep"}, "echo.probe_depth"),
+        ({"depth_switch_margin": -0.5}, "echo.depth_switch_margin"),
+        ({"depth_switch_margin": float("nan")}, "echo.depth_switch_margin"),
     ],
 )
 def test_bad_config_values_name_the_field(raw, field):

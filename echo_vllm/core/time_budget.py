@@ -71,6 +71,7 @@ class TimeAwareBudget:
         plain_hindsight: bool = False,
         probe_load_scale: int = 0,
         probe_next: bool = False,
+        switch_margin: float = 0.0,
         device: Any = "cpu",
         is_writer: bool = True,
         share: Share = _no_share,
@@ -83,7 +84,11 @@ class TimeAwareBudget:
         self.is_writer = is_writer
         self.share = share
         self.controller = DraftController(
-            max_depth, probe_interval=probe_interval, probe_load_scale=probe_load_scale, probe_next=probe_next
+            max_depth,
+            probe_interval=probe_interval,
+            probe_load_scale=probe_load_scale,
+            probe_next=probe_next,
+            switch_margin=switch_margin,
         )
         self.acceptance = AcceptanceModel(max_depth, device=device)
         # Trees: the nodes off the spine, learned online from the tree steps (not saved: the prior is the node's own

@@ -209,6 +209,7 @@ class HFEngine:
                 plain_hindsight=settings.plain_hindsight,
                 probe_load_scale=settings.probe_load_scale,
                 probe_next=settings.probe_depth == "next",
+                switch_margin=settings.depth_switch_margin,
                 surplus_tail=False,  # drafting stops at a closed gate here: there are no tails to add
                 profile_path=Path(path).expanduser() if path else None,
             )

@@ -253,6 +253,7 @@ class EchoProposer(EagleProposer):
                 plain_hindsight=s.plain_hindsight,
                 probe_load_scale=s.probe_load_scale,
                 probe_next=s.probe_depth == "next",
+                switch_margin=s.depth_switch_margin,
                 surplus_tail=s.surplus_tail,
                 profile_path=profile_path,
                 device=device,

@@ -21,6 +21,7 @@ from echo_vllm.core.auto_budget import (
     select_by_rank,
 )
 from echo_vllm.core.budget import add_surplus_tails
+from echo_vllm.core.time_budget import level_counts
 from echo_vllm.core.gating import Gates, depth_confidence
 from echo_vllm.core.tree import DraftTree
 from echo_vllm.ops import select_budget
@@ -807,3 +808,46 @@ def test_a_tree_probe_verifies_every_spine_node_and_one_requests_siblings():
     budget.controller.observe(0)
     chain_plan = budget.plan(batch, 1, False, warmup_cap=0)
     assert chain_plan.probe and chain_plan.k_cap == batch * chain_plan.depth
+
+
+def _level_counts_direct(accepted: torch.Tensor, verified_depths: torch.Tensor, drafted: int):
+    """The hindsight counts as first written (one broadcast per count): the specification of `level_counts`."""
+    levels = torch.arange(drafted + 1)
+    acc = accepted.long()
+    emitted = torch.minimum(acc.unsqueeze(1), levels.unsqueeze(0)).sum(dim=0)
+    depths = verified_depths.long()
+    flat = depths.reshape(-1)
+    nodes = ((flat.unsqueeze(0) <= levels.unsqueeze(1)) & (flat.unsqueeze(0) > 0)).sum(dim=1)
+    reach = depths.amax(dim=1) if depths.shape[1] else torch.zeros_like(acc)
+    j = levels[1:].unsqueeze(0)
+    tried = ((reach.unsqueeze(1) >= j) & (acc.unsqueeze(1) >= j - 1)).sum(dim=0)
+    passed = ((reach.unsqueeze(1) >= j) & (acc.unsqueeze(1) >= j)).sum(dim=0)
+    at_end = reach == drafted
+    return (
+        emitted.tolist(), nodes.tolist(), tried.tolist(), passed.tolist(),
+        int(at_end.sum()), int((at_end & (acc >= drafted)).sum()),
+    )  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    rows=st.integers(0, 40),
+    width=st.integers(0, 12),
+    drafted=st.integers(1, 8),
+    deeper=st.booleans(),
+)
+def test_level_counts_equal_the_direct_formulation(seed, rows, width, drafted, deeper):
+    """`level_counts` (two histograms and sums on the host) equals the direct broadcasts on random inputs: chains,
+    ragged trees (any node depths, zeros = not verified), acceptances beyond the verified depth and - with `deeper` -
+    node depths and acceptances past the drafted depth, which no level may count."""
+    gen = torch.Generator().manual_seed(seed)
+    top = drafted + (3 if deeper else 0)
+    depths = torch.randint(0, top + 1, (rows, width), generator=gen)
+    accepted = torch.randint(0, top + 1, (rows,), generator=gen)
+    assert level_counts(accepted, depths, drafted) == _level_counts_direct(accepted, depths, drafted)
+    # Chains: K_i nodes at depths 1..K_i and accepted <= K_i, as the engines record them.
+    counts = torch.randint(0, drafted + 1, (rows,), generator=gen)
+    chain = torch.where(torch.arange(drafted) < counts.unsqueeze(1), torch.arange(1, drafted + 1), 0)
+    chain_accepted = (torch.rand(rows, generator=gen) * (counts + 1)).long()
+    assert level_counts(chain_accepted, chain, drafted) == _level_counts_direct(chain_accepted, chain, drafted)

@@ -117,6 +117,12 @@ class EchoSettings(BaseModel):
         "it, averaged over recent steps, exceeds this many standard errors of the per-step difference; 0 = always "
         "the depth worth most on average (neighbouring depths worth nearly the same then swap with the noise).",
     )
+    plain_head_rows: Literal["batch", "measured"] = Field(
+        default="batch",
+        description="k_max 'auto' with defer_plain_head: what the depth plan charges a plain step for the head "
+        "work it defers: 'batch' = one row per request; 'measured' = the head rows per request that recent steps "
+        "carried (next-token rows plus the prompt rows of joining requests), which a plain step defers in full.",
+    )
     plain_hindsight: bool = Field(
         default=False,
         description="k_max 'auto': a step that verifies nothing still updates the depth plan, every depth valued "

@@ -21,8 +21,8 @@ from echo_vllm.core.auto_budget import (
     select_by_rank,
 )
 from echo_vllm.core.budget import add_surplus_tails
-from echo_vllm.core.time_budget import level_counts
 from echo_vllm.core.gating import Gates, depth_confidence
+from echo_vllm.core.time_budget import level_counts
 from echo_vllm.core.tree import DraftTree
 from echo_vllm.ops import select_budget
 
@@ -468,6 +468,49 @@ def test_hindsight_charges_plain_decoding_the_head_rows_it_defers():
     # As the test above, but the plain level costs rest(2) + h x 2 = 1.5 s.
     expected = [2 / 1.5, 3 / (1.0 + 0.5), 4 / (1.25 + 1.0), 4 / (1.5 + 1.5)]
     assert budget.controller.value == pytest.approx([r / expected[0] for r in expected])
+
+
+def test_measured_plain_head_rows_charge_the_prompt_rows_a_plain_step_defers():
+    """plain_head_rows 'measured': a plain step defers every row of its first pass - each request's next-token row
+    and the prompt rows of joining requests - so the plain level pays h x B x the average head rows per request of
+    recent steps (forward tokens less verified drafts), not h x B; never less than h x B."""
+    from echo_vllm.core.cost_model import CostModel, StepSample
+    from echo_vllm.core.time_budget import HEAD_ROWS_WEIGHT, TimeAwareBudget
+
+    def budget(mode: str) -> TimeAwareBudget:
+        b = TimeAwareBudget(
+            3, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None, plain_head_rows=mode
+        )
+        b.cost_model = CostModel(
+            (1.0, 2.0, 4.0, 8.0), (1.0, 1.0, 1.0, 2.0), 0.0, (0.0, 0.0, 0.5, 0.0), 0.0, 4, deferred_row_s=0.25
+        )
+        return b
+
+    measured, per_batch = budget("measured"), budget("batch")
+    assert measured.plain_head_seconds(2) == pytest.approx(0.5)  # nothing measured yet: B rows
+    # Steps of 2 requests: 2 next-token rows + 6 prompt rows + 3 verified drafts (4 rows per request), then 2 + 2.
+    for b in (measured, per_batch):
+        b.add_sample(StepSample(11, 2, 3, 1.0, 0.1, verified=3), warming_up=False)
+        b.add_sample(StepSample(4, 2, 3, 1.0, 0.1, verified=2), warming_up=False)
+    rows = 4.0 + HEAD_ROWS_WEIGHT * (1.0 - 4.0)
+    assert measured.plain_head_seconds(2) == pytest.approx(0.25 * 2 * rows)
+    assert per_batch.plain_head_seconds(2) == pytest.approx(0.25 * 2)
+    # A step of verified drafts only (no prompt rows) never charges less than one row per request.
+    fresh = budget("measured")
+    fresh.add_sample(StepSample(6, 2, 3, 1.0, 0.1, verified=6), warming_up=False)
+    assert fresh.plain_head_seconds(2) == pytest.approx(0.5)
+    # In hindsight the plain level pays the measured rows: every depth is worth more relative to it.
+    depths = torch.tensor([[1, 2, 3], [1, 0, 0]])
+    for b in (measured, per_batch):
+        b.observe_verification(torch.tensor([2, 0]), depths, batch=2, drafted_depth=3)
+    plain_batch, plain_measured = 1.0 + 0.25 * 2, 1.0 + 0.25 * 2 * rows
+    expected = [3 / (1.0 + 0.5), 4 / (1.25 + 1.0), 4 / (1.5 + 1.5)]
+    assert per_batch.controller.value[1:] == pytest.approx([r / (2 / plain_batch) for r in expected])
+    assert measured.controller.value[1:] == pytest.approx([r / (2 / plain_measured) for r in expected])
+    with pytest.raises(ValueError, match="plain_head_rows must be 'batch' or 'measured'; got 'rows'"):
+        TimeAwareBudget(
+            3, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None, plain_head_rows="rows"
+        )
 
 
 # -- acceptance ----------------------------------------------------------------------------------------------------

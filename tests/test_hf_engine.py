@@ -230,6 +230,7 @@ def test_corrupt_calibration_file_is_clear_error(root, tmp_path):
         ({"probe_interval": -1}, "echo.probe_interval"),
         ({"probe_depth": "deep"}, "echo.probe_depth"),
         ({"depth_switch_margin": -0.5}, "echo.depth_switch_margin"),
+        ({"plain_head_rows": "prompt"}, "echo.plain_head_rows"),
         ({"depth_switch_margin": float("nan")}, "echo.depth_switch_margin"),
     ],
 )

@@ -45,6 +45,9 @@ MAX_PROFILE_SAMPLES = 256
 CONTINUATION_DECAY = 0.01
 CONTINUATION_PRIOR = 4.0
 COST_VECTOR_LENGTH = vector_length(MAX_KNOT_EXPONENT + 1)
+# The average head rows per request of a step (its forward's tokens less the drafts it verified: each request's
+# next-token row plus its prompt rows): weight of one step in the exponential average.
+HEAD_ROWS_WEIGHT = 0.05
 
 Share = Callable[[Sequence[float]], list[float]]
 
@@ -104,6 +107,7 @@ class TimeAwareBudget:
         probe_load_scale: int = 0,
         probe_next: bool = False,
         switch_margin: float = 0.0,
+        plain_head_rows: str = "batch",
         device: Any = "cpu",
         is_writer: bool = True,
         share: Share = _no_share,
@@ -113,6 +117,10 @@ class TimeAwareBudget:
         self.surplus_tail = surplus_tail
         self.profile_path = profile_path
         self.plain_hindsight = plain_hindsight
+        if plain_head_rows not in ("batch", "measured"):
+            raise ValueError(f"plain_head_rows must be 'batch' or 'measured'; got {plain_head_rows!r}")
+        self.plain_head_rows = plain_head_rows
+        self._head_rows_per_request: float | None = None  # exponential average over steps (see plain_head_seconds)
         self.is_writer = is_writer
         self.share = share
         self.controller = DraftController(
@@ -309,7 +317,7 @@ class TimeAwareBudget:
         rates_per_level = [
             (batch + emitted_h[d]) / max(cost.rest_at(batch + nodes_h[d], batch) + cost.verify_at(batch, nodes_h[d])
                                          + cost.draft_seconds(batch, d)
-                                         + (cost.plain_head_seconds(batch) if d == 0 else 0.0), 1e-12)
+                                         + (self.plain_head_seconds(batch) if d == 0 else 0.0), 1e-12)
             for d in range(len(emitted_h))
         ]  # fmt: skip
         # Relative to the step's own plain-decoding rate: steps of different batch sizes average on one scale.
@@ -329,8 +337,29 @@ class TimeAwareBudget:
         pooled = (sum(self._passed) + CONTINUATION_PRIOR * 0.5) / (sum(self._tried) + CONTINUATION_PRIOR)
         return [(a + CONTINUATION_PRIOR * pooled) / (t + CONTINUATION_PRIOR) for t, a in zip(self._tried, self._passed)]
 
+    def plain_head_seconds(self, batch: int) -> float:
+        """The head work a plain step of `batch` requests defers (`defer_plain_head`): h x the rows it defers.
+
+        'batch' charges B rows, one per request. But a plain step defers every row of its first pass: each
+        request's next-token row and the prompt rows of requests joining (a server admits a new request as one
+        finishes, so under load most steps carry prompt tokens). A drafting step pays those rows' head work in its
+        first pass, which the cost model's f + g B absorbs on average; charged B rows only, plain decoding looked
+        cheaper than it is by h x the prompt rows of a step (batch 64 on the testbed: ~2 of ~32 ms, the size of
+        depth 1's measured gain over plain there). 'measured' charges h x B x the average head rows per request
+        of recent steps (forward tokens less verified drafts, per request: data every TP rank shares)."""
+        cost = self.cost_model
+        if cost is None:
+            return 0.0
+        if self.plain_head_rows == "batch" or self._head_rows_per_request is None:
+            return cost.plain_head_seconds(batch)
+        return cost.plain_head_seconds(batch) * max(1.0, self._head_rows_per_request)
+
     def add_sample(self, sample: StepSample, warming_up: bool) -> None:
         """A measured step; a step much slower than predicted waited for work and is dropped."""
+        if sample.batch > 0 and sample.num_tokens > 0:  # rows per request: counted for every step, slow or not
+            rows = max(sample.num_tokens - sample.verified, sample.batch) / sample.batch
+            last = self._head_rows_per_request
+            self._head_rows_per_request = rows if last is None else last + HEAD_ROWS_WEIGHT * (rows - last)
         if self.cost_model is not None:
             cost = self.cost_model
             predicted = (

@@ -210,6 +210,7 @@ class HFEngine:
                 probe_load_scale=settings.probe_load_scale,
                 probe_next=settings.probe_depth == "next",
                 switch_margin=settings.depth_switch_margin,
+                plain_head_rows=settings.plain_head_rows,
                 surplus_tail=False,  # drafting stops at a closed gate here: there are no tails to add
                 profile_path=Path(path).expanduser() if path else None,
             )

@@ -254,6 +254,7 @@ class EchoProposer(EagleProposer):
                 probe_load_scale=s.probe_load_scale,
                 probe_next=s.probe_depth == "next",
                 switch_margin=s.depth_switch_margin,
+                plain_head_rows=s.plain_head_rows,
                 surplus_tail=s.surplus_tail,
                 profile_path=profile_path,
                 device=device,
@@ -1102,7 +1103,7 @@ class EchoProposer(EagleProposer):
             if cost is not None and batch > 0:  # the current fit's step at this batch, every draft of depth d verified
                 record["model_ms"] = [
                     round(1e3 * (cost.rest_at(batch * (1 + d), batch) + cost.verify_at(batch, batch * d)
-                                 + cost.draft_seconds(batch, d) + (cost.plain_head_seconds(batch) if d == 0 else 0)), 2)
+                                 + cost.draft_seconds(batch, d) + (self.budget.plain_head_seconds(batch) if d == 0 else 0)), 2)
                     for d in range(self.max_depth + 1)
                 ]  # fmt: skip
         if self._step_log_file is None:  # kept open, line-buffered: a write per step, no open/close

@@ -22,8 +22,17 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 
-def decode_steps(lines: list[dict]) -> list[tuple[str, int, float, float]]:
-    """(policy, block, emitted tokens, seconds) per full-batch decode step, attributed to the previous line."""
+def step_kind(line: dict) -> str:
+    """What a step did: "probe" (full or partial), "plain" (drafted nothing) or "d<depth drafted>"."""
+    if line.get("probe") or line.get("probe_rows", 0):
+        return "probe"
+    depth = line.get("drafted_depth", line.get("draft_depth", 0))
+    return "plain" if depth == 0 else f"d{depth}"
+
+
+def decode_steps(lines: list[dict]) -> list[tuple[str, int, float, float, str]]:
+    """(policy, block, emitted tokens, seconds, step kind) per full-batch decode step, attributed to the previous
+    line."""
     auto = [r for r in lines if r.get("phase") == "auto"]
     if not auto:
         return []
@@ -41,18 +50,25 @@ def decode_steps(lines: list[dict]) -> list[tuple[str, int, float, float]]:
         if line["num_tokens"] != line["batch"] + line["verified_in_forward"]:
             continue  # prompt tokens in this forward
         emitted = line["batch"] + sum(line["accepted"] or [])
-        out.append((policy, block, float(emitted), float(line["rest_s"]) + float(line["draft_s"])))
+        out.append((policy, block, float(emitted), float(line["rest_s"]) + float(line["draft_s"]), step_kind(prev)))
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("step_logs", type=Path, nargs="+")
+    parser.add_argument(
+        "--kinds", action="store_true", help="also split each policy's steps by kind: plain, d<depth>, probe"
+    )
     args = parser.parse_args()
     rows = []
+    kinds: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0, 0.0]))
     for path in args.step_logs:
         lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-        rows += [(p, f"{path}:{b}", e, s) for p, b, e, s in decode_steps(lines)]
+        for p, b, e, s, kind in decode_steps(lines):
+            rows.append((p, f"{path}:{b}", e, s))
+            acc = kinds[p][kind]
+            acc[0], acc[1], acc[2] = acc[0] + 1, acc[1] + e, acc[2] + s
     by_policy: dict[str, list[tuple[float, float]]] = defaultdict(list)
     by_block: dict[str, tuple[str, list[tuple[float, float]]]] = {}
     order: list[str] = []
@@ -68,6 +84,11 @@ def main() -> None:
             f"{policy:<10} steps {len(v):4d}  tokens/step {tokens / len(v):6.2f}  ms/step {1e3 * seconds / len(v):6.2f}"
             f"  tok/s {tokens / seconds:7.1f}"
         )
+        if args.kinds:  # where the policy's time went: e.g. auto's probes at batch 64 (seventeenth session)
+            for kind, (steps, emitted, secs) in sorted(kinds[policy].items()):
+                print(
+                    f"  {kind:<8} steps {int(steps):4d}  share of time {secs / seconds:5.1%}  tok/s {emitted / secs:7.1f}"
+                )
     if len(order) < 2:
         return
     # Paired: each block of a later policy against the nearest preceding block of the first policy.

@@ -95,11 +95,12 @@ class EchoSettings(BaseModel):
         "depth drafts); 0 = every probe_interval steps at any load.",
     )
     probe_depth: Literal["full", "next"] = Field(
-        default="full",
+        default="next",
         description="k_max 'auto': how deep a probe drafts (and verifies every draft): 'full' = the max depth; "
         "'next' = one deeper than the depth plan's current best (a step that costs about what a step at that "
         "depth costs, where a full-depth probe at batch 64 verifies 4 x 64 drafts); depths further down are "
-        "valued from the measured continuation rates, and a plan that moves deeper is then probed deeper.",
+        "valued from the measured continuation rates, and a plan that moves deeper is then probed deeper (the "
+        "default: measured ahead of 'full' at batch 16 and 64 on the testbed, docs/benchmarks.md).",
     )
     probe_requests: int = Field(
         default=0,
@@ -118,7 +119,7 @@ class EchoSettings(BaseModel):
         "the depth worth most on average (neighbouring depths worth nearly the same then swap with the noise).",
     )
     plain_head_rows: Literal["batch", "measured"] = Field(
-        default="batch",
+        default="measured",
         description="k_max 'auto' with defer_plain_head: what the depth plan charges a plain step for the head "
         "work it defers: 'batch' = one row per request; 'measured' = the head rows per request that recent steps "
         "carried (next-token rows plus the prompt rows of joining requests), which a plain step defers in full.",

@@ -60,9 +60,11 @@ def test_auto_greedy_identical_through_every_phase(prompts, tmp_path, max_num_se
     step_log = tmp_path / "steps.jsonl"
     # Chains at batch 8 probe 3 requests at a time (probe_requests): the partial probes' forced chains are lossless.
     partial = {"probe_requests": 3} if top_k == 1 else {}
-    # Trees at batch 32 probe one depth deeper than the plan's best (probe_depth "next").
-    next_probes = {"probe_depth": "next"} if max_num_seqs == 32 else {}
-    echo = _run(used, max_num_seqs, {**ECHO, "top_k": top_k, **partial, **next_probes}, step_log)
+    # Trees at batch 32 probe one depth deeper than the plan's best (probe_depth "next", the default); batch 1 and
+    # 8 probe at full depth.
+    next_probes = max_num_seqs == 32
+    probe_depth = {"probe_depth": "next" if next_probes else "full"}
+    echo = _run(used, max_num_seqs, {**ECHO, "top_k": top_k, **partial, **probe_depth}, step_log)
     mismatches = [i for i, (a, b) in enumerate(zip(baseline["token_ids"], echo["token_ids"])) if a != b]
     assert not mismatches, f"k_max auto, max_num_seqs={max_num_seqs}: prompts {mismatches[:5]} differ from no-spec"
     steps = _steps(step_log)

@@ -107,7 +107,7 @@ class TimeAwareBudget:
         probe_load_scale: int = 0,
         probe_next: bool = False,
         switch_margin: float = 0.0,
-        plain_head_rows: str = "batch",
+        plain_head_rows: str = "measured",
         device: Any = "cpu",
         is_writer: bool = True,
         share: Share = _no_share,

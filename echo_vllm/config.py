@@ -136,6 +136,15 @@ class EchoSettings(BaseModel):
         "head's pass over the step's tokens and run it for them in the next step that drafts (same inputs, same "
         "KV; output exact either way). false runs the head every step, as vLLM does.",
     )
+    deferred_head_window: int = Field(
+        default=0,
+        ge=0,
+        description="vLLM, defer_plain_head: when > 0, the next drafting step runs the head only for each "
+        "request's this many newest deferred rows; older ones are dropped, leaving the head's KV unwritten there "
+        "(drafts may get worse, output cannot change), so a long plain stretch at high load does not pay the head "
+        "for every position and prompt it saw. 0 = run the head for every deferred row (the drafts of a head that "
+        "ran every step).",
+    )
     fault_limit: int = Field(
         default=8,
         ge=1,

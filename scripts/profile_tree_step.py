@@ -137,6 +137,24 @@ def _record_forwards() -> None:
     GPUModelRunner._model_forward = recorded
 
 
+_SCHEDULED: list[tuple[int, int, int]] = []  # per engine step: (requests, tokens, scheduled draft tokens)
+
+
+def _record_schedule() -> None:
+    """Requests and tokens the scheduler put in each step: methods may differ in how full their steps are."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    schedule = Scheduler.schedule
+
+    def recorded(self, *a, **k):
+        out = schedule(self, *a, **k)
+        spec = sum(len(v) for v in (out.scheduled_spec_decode_tokens or {}).values())
+        _SCHEDULED.append((len(out.num_scheduled_tokens), int(out.total_num_scheduled_tokens), spec))
+        return out
+
+    Scheduler.schedule = recorded
+
+
 _STEP: dict[str, Any] = {"tree": False, "drafted_tree": False}
 _STEPS: list[tuple[bool, bool, float]] = []  # per engine step: (verified a tree, drafted a tree, seconds)
 
@@ -194,6 +212,7 @@ def child() -> int:
             _classify_steps()
             missing.extend(install_timers())
         _record_forwards()
+        _record_schedule()
         if cprofile_top:  # function-level view of the timed generate (the engine core runs in this process)
             import cProfile
 
@@ -221,6 +240,8 @@ def child() -> int:
         "steps": steps,
         "step_kinds": kinds,
         "forwards": _FORWARDS,
+        "scheduled": _SCHEDULED,
+        "step_kinds_raw": _STEPS,
         "generate_seconds": result["generate_seconds"],
         "tok_s": result["num_generated"] / result["generate_seconds"],
         "tokens_per_step": result["num_generated"] / steps,
@@ -316,6 +337,22 @@ def main() -> int:
                         f"\n== {method} batch {batch_size} round {r}: {rep['steps']} steps, "
                         f"{rep['tok_s']:.0f} tok/s, {rep['tokens_per_step']:.2f} tok/step, trees={rep['trees']}"
                     )
+                    sched = rep.get("scheduled") or []
+                    if sched:
+                        n = len(sched)
+                        print(
+                            f"  scheduled per step: {sum(r for r, _, _ in sched) / n:.2f} requests, "
+                            f"{sum(t for _, t, _ in sched) / n:.1f} tokens ({sum(d for _, _, d in sched) / n:.1f} drafts); "
+                            f"steps with fewer than {batch_size} requests: {sum(r < batch_size for r, _, _ in sched)} of {n}"
+                        )
+                        # Full decode-only steps (every slot decoding, no prompt tokens): the steady step's cost.
+                        times = [t for _, _, t in rep["step_kinds_raw"]] if rep.get("step_kinds_raw") else []
+                        full = sorted(t for (r, tok, d), t in zip(sched, times) if r == batch_size and tok == r + d)
+                        if full:
+                            print(
+                                f"  full decode-only steps: {len(full)}, median {1e3 * full[len(full) // 2]:.2f} ms "
+                                f"({batch_size / full[len(full) // 2]:.0f} requests/s)"
+                            )
                     for kind, k in rep["step_kinds"].items():
                         print(f"  steps {kind:<22} n={k['n']:4d}  {k['ms']:8.3f} ms/step (engine step)")
                     for label, _, _ in TIMED:

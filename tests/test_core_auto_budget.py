@@ -513,6 +513,35 @@ def test_measured_plain_head_rows_charge_the_prompt_rows_a_plain_step_defers():
         )
 
 
+def test_plain_steps_are_charged_only_the_share_of_deferred_rows_that_merges_pay():
+    """With deferred_head_window (or requests finishing in a plain stretch) later merges take only some of the rows
+    plain steps deferred; the rest never cost head work, so 'measured' charges that share (an exponential average
+    over merges), never more than every row; 'batch' is unchanged."""
+    from echo_vllm.core.cost_model import CostModel, StepSample
+    from echo_vllm.core.time_budget import HEAD_ROWS_WEIGHT, TimeAwareBudget
+
+    def budget(mode: str) -> TimeAwareBudget:
+        b = TimeAwareBudget(
+            3, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None, plain_head_rows=mode
+        )
+        b.cost_model = CostModel(
+            (1.0, 2.0, 4.0, 8.0), (1.0, 1.0, 1.0, 2.0), 0.0, (0.0, 0.0, 0.5, 0.0), 0.0, 4, deferred_row_s=0.25
+        )
+        b.add_sample(StepSample(8, 2, 3, 1.0, 0.1, verified=0), warming_up=False)  # 4 rows per request
+        return b
+
+    measured, per_batch = budget("measured"), budget("batch")
+    assert measured.plain_head_seconds(2) == pytest.approx(0.25 * 2 * 4)
+    measured.record_head_merge(0, 0)  # nothing deferred: no evidence
+    assert measured.plain_head_seconds(2) == pytest.approx(0.25 * 2 * 4)
+    for b in (measured, per_batch):
+        b.record_head_merge(10, 40)
+        b.record_head_merge(30, 20)  # more merged than deferred since (rows kept over a reset): capped at all
+    share = 0.25 + HEAD_ROWS_WEIGHT * (1.0 - 0.25)
+    assert measured.plain_head_seconds(2) == pytest.approx(0.25 * 2 * 4 * share)
+    assert per_batch.plain_head_seconds(2) == pytest.approx(0.25 * 2)
+
+
 # -- acceptance ----------------------------------------------------------------------------------------------------
 
 

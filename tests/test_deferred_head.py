@@ -26,8 +26,9 @@ def _rows(keys: list[int], positions: list[int]) -> HeadRows:
     )
 
 
-def _reference(parts, current_positions, keys_now):
-    """Per request: its kept rows' contiguous suffix ending right before its first row here, then its own rows."""
+def _reference(parts, current_positions, keys_now, window=0):
+    """Per request: its kept rows' contiguous suffix ending right before its first row here (at most `window` of
+    them when window > 0), then its own rows."""
     kept = [(int(k), int(p)) for part in parts for k, p in zip(part.keys, part.positions)]
     out_keys, out_pos, lengths, merged = [], [], [], 0
     for key, positions in zip(keys_now, current_positions):
@@ -36,7 +37,7 @@ def _reference(parts, current_positions, keys_now):
         if positions:
             expected = positions[0] - 1
             for p in reversed(mine):
-                if p != expected:
+                if p != expected or (window and len(take) == window):
                     break
                 take.append(p)
                 expected -= 1
@@ -62,14 +63,14 @@ def _cases(draw):
         keys = draw(st.lists(st.integers(0, 7), max_size=6))
         positions = [draw(st.integers(0, 14)) for _ in keys]
         parts.append((keys, positions))
-    return keys_now, current_positions, parts
+    return keys_now, current_positions, parts, draw(st.integers(0, 3))
 
 
 @settings(max_examples=300, deadline=None)
 @given(_cases())
 def test_merge_matches_the_per_request_reference(case):
-    keys_now, current_positions, raw_parts = case
-    kept = DeferredHeadRows(capacity=1000)
+    keys_now, current_positions, raw_parts, window = case
+    kept = DeferredHeadRows(capacity=1000, window=window)
     parts = [_rows(k, p) for k, p in raw_parts]
     for part in parts:
         kept.append(part)
@@ -78,7 +79,7 @@ def test_merge_matches_the_per_request_reference(case):
     lengths = torch.tensor([len(ps) for ps in current_positions])
     qsl = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(lengths, 0).to(torch.int32)])
     merged = kept.take_merge(current, qsl, torch.tensor(keys_now))
-    ref_keys, ref_pos, ref_lengths, ref_merged = _reference(parts, current_positions, keys_now)
+    ref_keys, ref_pos, ref_lengths, ref_merged = _reference(parts, current_positions, keys_now, window)
     assert merged.rows.keys.tolist() == ref_keys
     assert merged.rows.positions.tolist() == ref_pos
     assert torch.diff(merged.query_start_loc).tolist() == ref_lengths
@@ -86,6 +87,7 @@ def test_merge_matches_the_per_request_reference(case):
     assert merged.num_merged == ref_merged
     total_kept = sum(len(k) for k, _ in raw_parts)
     assert merged.num_dropped == total_kept - ref_merged
+    assert merged.num_deferred == total_kept  # every row deferred since the previous merge
     # Every row carries its own payload along (ids, hidden states, slots move with the row).
     assert merged.rows.input_ids.tolist() == [1000 * k + p for k, p in zip(ref_keys, ref_pos)]
     assert merged.rows.slots.tolist() == [10_000 + 100 * k + p for k, p in zip(ref_keys, ref_pos)]
@@ -119,6 +121,44 @@ def test_finished_preempted_and_gapped_rows_are_dropped_not_merged():
     assert merged.rows.positions.tolist() == [0, 6, 7]  # only request 3's contiguous suffix (6) goes in
     assert (merged.num_merged, merged.num_dropped) == (1, 5)
     assert kept.summary()["dropped_rows"] == 5
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 4), max_size=6), max_size=4), st.integers(0, 3))
+def test_trim_keeps_each_requests_newest_rows_in_append_order(raw_parts, window):
+    kept = DeferredHeadRows(capacity=1000, window=window)
+    position = 0
+    appended = []  # (key, position) in append order; positions unique so rows can be told apart
+    for keys in raw_parts:
+        positions = list(range(position, position + len(keys)))
+        position += len(keys)
+        kept.append(_rows(keys, positions))
+        appended += list(zip(keys, positions))
+    dropped = kept.trim()
+    if window == 0:
+        expected = appended
+    else:
+        newest = {k: [p for kk, p in appended if kk == k][-window:] for k in {k for k, _ in appended}}
+        expected = [(k, p) for k, p in appended if p in newest[k]]
+    assert dropped == len(appended) - len(expected)
+    assert kept.num_rows == len(expected) and kept.summary()["dropped_rows"] == dropped
+    merged_keys = [k for part in kept._parts for k in part.keys.tolist()]
+    merged_pos = [p for part in kept._parts for p in part.positions.tolist()]
+    assert list(zip(merged_keys, merged_pos)) == expected
+    # The trimmed rows still count as deferred at the next merge (their head work was never paid).
+    merged = kept.take_merge(_rows([], []), torch.zeros(1, dtype=torch.int32), torch.tensor([], dtype=torch.int64))
+    assert merged.num_deferred == len(appended)
+
+
+def test_a_window_merges_only_the_newest_rows_of_a_long_plain_stretch():
+    kept = DeferredHeadRows(capacity=64, window=2)
+    for step in range(5):  # five plain steps of request 7 at positions 20..24
+        kept.append(_rows([7], [20 + step]))
+    merged = kept.take_merge(_rows([7], [25]), torch.tensor([0, 1], dtype=torch.int32), torch.tensor([7]))
+    assert merged.rows.positions.tolist() == [23, 24, 25]
+    assert (merged.num_merged, merged.num_dropped, merged.num_deferred) == (2, 3, 5)
+    with pytest.raises(ValueError, match="window must be >= 0"):
+        DeferredHeadRows(4, window=-1)
 
 
 def test_capacity_is_checked_on_the_host():

@@ -231,6 +231,8 @@ def test_corrupt_calibration_file_is_clear_error(root, tmp_path):
         ({"probe_depth": "deep"}, "echo.probe_depth"),
         ({"depth_switch_margin": -0.5}, "echo.depth_switch_margin"),
         ({"plain_head_rows": "prompt"}, "echo.plain_head_rows"),
+        ({"deferred_head_window": -2}, "echo.deferred_head_window"),
+        ({"deferred_head_window": "last"}, "echo.deferred_head_window"),
         ({"depth_switch_margin": float("nan")}, "echo.depth_switch_margin"),
     ],
 )

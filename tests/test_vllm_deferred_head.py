@@ -70,3 +70,10 @@ def test_deferred_head_drafts_what_the_head_drafts_every_step(prompts, tmp_path,
     assert dropped["token_ids"] == baseline["token_ids"]
     assert dropped["echo_stats"]["deferred_head"]["merged_rows"] == 0
     assert [s["selection_hash"] for s in steps_dropped] != [s["selection_hash"] for s in steps_every]
+    # deferred_head_window 1: a merge takes only each request's newest kept row; the older ones (prompt rows of a
+    # request that joined on a plain step included) are dropped, and the output is still the target's.
+    windowed, _ = _run(prompts, {**echo, "deferred_head_window": 1}, tmp_path, "windowed", forced)
+    assert windowed["token_ids"] == baseline["token_ids"]
+    window_stats = windowed["echo_stats"]["deferred_head"]
+    assert window_stats["merged_rows"] > 0 and window_stats["dropped_rows"] > 0, window_stats
+    assert window_stats["merged_rows"] < stats["merged_rows"], (window_stats, stats)

@@ -121,6 +121,7 @@ class TimeAwareBudget:
             raise ValueError(f"plain_head_rows must be 'batch' or 'measured'; got {plain_head_rows!r}")
         self.plain_head_rows = plain_head_rows
         self._head_rows_per_request: float | None = None  # exponential average over steps (see plain_head_seconds)
+        self._head_rows_paid: float | None = None  # exponential average of merged / deferred rows per merge
         self.is_writer = is_writer
         self.share = share
         self.controller = DraftController(
@@ -293,8 +294,8 @@ class TimeAwareBudget:
     def _observe_levels(
         self,
         batch: int,
-        emitted_h: list[float],
-        nodes_h: list[float],
+        emitted_h: Sequence[float],
+        nodes_h: Sequence[float],
         verified_to_end: float,
         accepted_to_end: float,
     ) -> None:
@@ -346,13 +347,25 @@ class TimeAwareBudget:
         first pass, which the cost model's f + g B absorbs on average; charged B rows only, plain decoding looked
         cheaper than it is by h x the prompt rows of a step (batch 64 on the testbed: ~2 of ~32 ms, the size of
         depth 1's measured gain over plain there). 'measured' charges h x B x the average head rows per request
-        of recent steps (forward tokens less verified drafts, per request: data every TP rank shares)."""
+        of recent steps (forward tokens less verified drafts, per request: data every TP rank shares) x the share
+        of deferred rows that later merges took (`record_head_merge`: below 1 with `deferred_head_window`)."""
         cost = self.cost_model
         if cost is None:
             return 0.0
         if self.plain_head_rows == "batch" or self._head_rows_per_request is None:
             return cost.plain_head_seconds(batch)
-        return cost.plain_head_seconds(batch) * max(1.0, self._head_rows_per_request)
+        paid = 1.0 if self._head_rows_paid is None else self._head_rows_paid
+        return cost.plain_head_seconds(batch) * max(1.0, self._head_rows_per_request) * paid
+
+    def record_head_merge(self, merged: int, deferred: int) -> None:
+        """A first pass merged `merged` of the `deferred` head rows plain steps kept since the previous merge;
+        the rest (finished requests, rows outside `deferred_head_window`) never cost head work, so 'measured'
+        charges a plain step only this share of its rows. Counts every TP rank has alike."""
+        if deferred <= 0:
+            return
+        share = min(1.0, merged / deferred)
+        last = self._head_rows_paid
+        self._head_rows_paid = share if last is None else last + HEAD_ROWS_WEIGHT * (share - last)
 
     def add_sample(self, sample: StepSample, warming_up: bool) -> None:
         """A measured step; a step much slower than predicted waited for work and is dropped."""

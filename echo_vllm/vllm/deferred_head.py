@@ -57,7 +57,9 @@ class MergedRows:
     max_query_len: int
     current_to_merged: torch.Tensor  # [N] where each of the step's own rows went (maps token_indices_to_sample)
     num_merged: int  # kept rows that went in
-    num_dropped: int  # kept rows that could not (finished, preempted, not contiguous)
+    num_dropped: int  # kept rows that could not (finished, preempted, not contiguous, outside the window)
+    num_deferred: int = 0  # rows deferred since the previous merge (trimmed ones included): merged / deferred is
+    # the share of a plain step's head work that a later first pass pays
 
 
 def request_of_rows(query_start_loc: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -74,14 +76,27 @@ def valid_rows(query_start_loc: torch.Tensor, last_valid: torch.Tensor, num_rows
 
 
 class DeferredHeadRows:
-    """Head rows of plain steps, at most `capacity` (the proposer grows its buffers by that much)."""
+    """Head rows of plain steps, at most `capacity` (the proposer grows its buffers by that much).
 
-    def __init__(self, capacity: int):
+    `window` W > 0 (`deferred_head_window`): a merge takes only each request's W newest kept rows, and a full
+    stash is trimmed to them instead of merged. Older rows never get the head's pass: their head KV slots stay
+    unwritten (holes the head's attention reads as whatever the slot held), so drafts may get worse while the
+    output cannot change. Why: after a long plain stretch (high load, where the depth plan sits at plain decoding)
+    the full merge is head work on every position of the stretch, prompts of joining requests included, which
+    plain decoding without ECHO never pays; an EAGLE-3 head leans mostly on the target's hidden states of the
+    newest positions (measured on the testbed: 3 of 4 steps' rows dropped, prompts included, cost 5 % of its
+    acceptance)."""
+
+    def __init__(self, capacity: int, window: int = 0):
         if capacity < 1:
             raise ValueError(f"DeferredHeadRows: capacity must be >= 1; got {capacity}")
+        if window < 0:
+            raise ValueError(f"DeferredHeadRows: window must be >= 0 (0 = merge every kept row); got {window}")
         self.capacity = capacity
+        self.window = window
         self._parts: list[HeadRows] = []
         self.num_rows = 0  # host count: the capacity check needs no device read
+        self._deferred_since_merge = 0
         self.deferred_rows = 0  # lifetime counters (echo_stats)
         self.merged_rows = 0
         self.dropped_rows = 0
@@ -110,7 +125,29 @@ class DeferredHeadRows:
             self._parts.append(rows)
         self.num_rows += rows.num_rows
         self.deferred_rows += rows.num_rows
+        self._deferred_since_merge += rows.num_rows
         self.deferred_steps += 1
+
+    def trim(self) -> int:
+        """window > 0: keep only each request's `window` newest kept rows (the ones a merge would take if the
+        request's next rows follow them); returns how many were dropped. Without a window, nothing."""
+        if self.window <= 0 or not self._parts:
+            return 0
+        kept = _concat(self._parts)
+        n = kept.num_rows
+        keys = kept.keys.to(torch.int64)
+        # Group by request, append order kept within a group (stable), then rank each row from its group's end.
+        order = torch.sort(keys, stable=True).indices
+        sorted_keys = keys[order]
+        _, counts = torch.unique_consecutive(sorted_keys, return_counts=True)
+        ends = torch.repeat_interleave(torch.cumsum(counts, 0), counts)
+        from_end = ends - 1 - torch.arange(n, device=keys.device)
+        keep = torch.sort(order[from_end < self.window]).values  # back to append order
+        trimmed = kept.select(keep)
+        dropped = n - trimmed.num_rows
+        self._parts, self.num_rows = ([trimmed] if trimmed.num_rows else []), trimmed.num_rows
+        self.dropped_rows += dropped
+        return dropped
 
     def clear(self) -> int:
         """Drop every kept row (counted as dropped); returns how many."""
@@ -127,6 +164,7 @@ class DeferredHeadRows:
         num_current = current.num_rows
         kept = _concat(self._parts) if self._parts else None
         self._parts, self.num_rows = [], 0
+        deferred, self._deferred_since_merge = self._deferred_since_merge, 0
         lengths = qsl[1:] - qsl[:-1]
         dropped = 0
         if kept is not None and (batch == 0 or num_current == 0):
@@ -135,7 +173,7 @@ class DeferredHeadRows:
         if kept is None or kept.num_rows == 0:
             return MergedRows(
                 current, query_start_loc, int(lengths.max()) if batch else 0,
-                torch.arange(num_current, device=device), 0, dropped,
+                torch.arange(num_current, device=device), 0, dropped, deferred,
             )  # fmt: skip
         n = kept.num_rows
         # The batch row of every kept row (B: not in this batch).
@@ -160,6 +198,8 @@ class DeferredHeadRows:
         last_misfit = torch.full((batch + 1,), -1, dtype=torch.int64, device=device)
         last_misfit.scatter_reduce_(0, row_sorted, torch.where(fits, -1, rank), reduce="amax")
         keep = fits & (rank > last_misfit[row_sorted])
+        if self.window > 0:  # only the newest `window` rows (a contiguous suffix still)
+            keep &= from_end < self.window
         merged_in = grouped.select(keep)
         row_kept = row_sorted[keep]
         kept_count = torch.bincount(row_kept, minlength=batch + 1)[:batch]
@@ -181,8 +221,9 @@ class DeferredHeadRows:
         self.merged_rows += num_merged
         self.dropped_rows += n - num_merged
         return MergedRows(
-            rows, new_qsl.to(query_start_loc.dtype), int(new_lengths.max()), dest_current, num_merged, n - num_merged
-        )
+            rows, new_qsl.to(query_start_loc.dtype), int(new_lengths.max()), dest_current, num_merged, n - num_merged,
+            deferred,
+        )  # fmt: skip
 
 
 def _concat(parts: list[HeadRows]) -> HeadRows:

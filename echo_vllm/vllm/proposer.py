@@ -299,7 +299,7 @@ class EchoProposer(EagleProposer):
             grown = buffer.new_zeros((buffer.shape[0] + capacity, *buffer.shape[1:]))
             grown[: buffer.shape[0]] = buffer
             setattr(self, name, grown)
-        return DeferredHeadRows(capacity)
+        return DeferredHeadRows(capacity, window=self.echo_settings.deferred_head_window)
 
     @property
     def warming_up(self) -> bool:
@@ -505,6 +505,8 @@ class EchoProposer(EagleProposer):
         defer, self._defer_head_now = self._defer_head_now, False
         if defer:
             rows = self._first_pass_rows(num_tokens, indices, cad, valid_only=True)
+            if not kept.can_take(rows.num_rows):
+                kept.trim()  # with deferred_head_window: the rows a merge would drop anyway make room
             if kept.can_take(rows.num_rows):
                 kept.append(rows)
                 raise _HeadDeferred
@@ -522,6 +524,8 @@ class EchoProposer(EagleProposer):
         self._head_keys.clear()
         rows, total = merged.rows, merged.rows.num_rows
         self._merged_rows = merged.num_merged  # this step's cost sample: the backlog its first pass carried
+        if self.budget is not None:
+            self.budget.record_head_merge(merged.num_merged, merged.num_deferred)
         self.input_ids[:total] = rows.input_ids
         self.positions[:total] = rows.positions
         self.hidden_states[:total] = rows.hidden

@@ -5,8 +5,10 @@ the step's tokens, only to write the head's KV for them ("the prefill forward pa
 drafter KV cache in sync", llm_base_proposer.propose). At high load that pass is most of what a plain ECHO step
 costs over no-spec decoding (batch 32 on the CPU testbed: ~3.5 of ~28 ms). Deferred, the same rows (head input
 id, position, hidden state, KV slot) go in front of each request's rows of the next first pass, which writes the
-same KV from the same inputs in one batched pass: the head then drafts from the context it would have had (up to
-float summation order), and verification keeps the output exact whatever the head saw.
+same KV from the same inputs in one batched pass: with `deferred_head_window` 0 the head then drafts from the
+context it would have had (up to float summation order); with a window W (default 1) only each request's W newest
+rows are merged and older ones dropped (see DeferredHeadRows). Verification keeps the output exact whatever the
+head saw.
 
 A request's kept rows are merged only while they are the positions right before its rows of the merging step
 (contiguous, oldest first); anything else (a finished or preempted request, a gap from a step vLLM ran without

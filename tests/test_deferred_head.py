@@ -161,6 +161,22 @@ def test_a_window_merges_only_the_newest_rows_of_a_long_plain_stretch():
         DeferredHeadRows(4, window=-1)
 
 
+def test_rows_kept_for_a_whole_plain_step_count_what_they_stand_for():
+    """The window-1 plain step keeps only each request's newest row (`covers`: the rows of the step): the others
+    count as deferred and dropped at once, so merged / deferred is the share of head work merges really pay."""
+    kept = DeferredHeadRows(capacity=64, window=1)
+    kept.append(_rows([3, 4], [9, 30]), covers=7)  # a step of 7 rows: request 4 joined with a 6-row prompt chunk
+    kept.append(_rows([3, 4], [10, 31]), covers=2)
+    assert kept.num_rows == 4
+    assert kept.summary() == {
+        "deferred_steps": 2, "deferred_rows": 9, "merged_rows": 0, "dropped_rows": 5, "kept_rows": 4,
+    }  # fmt: skip
+    merged = kept.take_merge(_rows([3, 4], [11, 32]), torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([3, 4]))
+    assert merged.rows.positions.tolist() == [10, 11, 31, 32]
+    assert (merged.num_merged, merged.num_deferred) == (2, 9)
+    assert kept.summary()["dropped_rows"] == 7  # 5 never kept + 2 older kept rows the window left out
+
+
 def test_capacity_is_checked_on_the_host():
     kept = DeferredHeadRows(capacity=3)
     assert kept.can_take(3) and not kept.can_take(4)

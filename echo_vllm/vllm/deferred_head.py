@@ -120,14 +120,18 @@ class DeferredHeadRows:
     def can_take(self, num_rows: int) -> bool:
         return self.num_rows + num_rows <= self.capacity
 
-    def append(self, rows: HeadRows) -> None:
+    def append(self, rows: HeadRows, covers: int | None = None) -> None:
+        """Keep `rows`; `covers` (>= their number): the first-pass rows of the plain step they stand for, when the
+        caller kept only the newest of them (window 1); the others count as deferred and dropped at once."""
         if not self.can_take(rows.num_rows):
             raise ValueError(f"DeferredHeadRows: {rows.num_rows} rows exceed the free {self.capacity - self.num_rows}")
+        covered = rows.num_rows if covers is None else max(int(covers), rows.num_rows)
         if rows.num_rows:
             self._parts.append(rows)
         self.num_rows += rows.num_rows
-        self.deferred_rows += rows.num_rows
-        self._deferred_since_merge += rows.num_rows
+        self.deferred_rows += covered
+        self.dropped_rows += covered - rows.num_rows
+        self._deferred_since_merge += covered
         self.deferred_steps += 1
 
     def trim(self) -> int:

@@ -468,6 +468,12 @@ class EchoProposer(EagleProposer):
         # The early-exit test is exact for chains only (a tree's deeper siblings rank after every spine node).
         self._early_cap = plan.k_cap if (on_cpu and depth > 1 and not self._tree_step) else None
         self._defer_head_now = depth == 0 and self.deferred_head is not None
+        if self._defer_head_now and self._defer_newest_rows(kwargs):
+            self._defer_head_now = False
+            self.num_speculative_tokens = self.max_depth
+            self._last_draft_probs = None  # as vLLM's propose starts: no draft of this step has probabilities
+            batch = kwargs["common_attn_metadata"].batch_size()
+            return torch.empty((batch, 0), dtype=torch.int64, device=self._depth.device)
         try:
             return super().propose(depth, *args, **kwargs)
         except _DraftingDone:
@@ -543,6 +549,44 @@ class EchoProposer(EagleProposer):
             _token_to_req_indices_cache=None,
         )
         return total, merged.current_to_merged[indices.long()].to(indices.dtype), cad
+
+    def _defer_newest_rows(self, kwargs: dict) -> bool:
+        """deferred_head_window 1, a plain step: keep each request's newest head row (the only one a merge would
+        take) straight from the target's outputs, instead of vLLM's first-pass layout of every row - the fc over
+        all rows' auxiliary hidden states (prompt chunks included) and the buffer copies - that the window then
+        drops. The row is the one vLLM would lay out last: input id = the next token, the last valid position, its
+        hidden state and KV slot. False: the general path (another window, a vocabulary mapping, missing inputs)."""
+        kept = self.deferred_head
+        if kept is None or kept.window != 1 or getattr(self, "method", None) != "eagle3":
+            return False
+        if getattr(self, "use_heterogeneous_vocab", False):
+            return False
+        cad = kwargs.get("common_attn_metadata")
+        hidden = kwargs.get("target_hidden_states")
+        positions = kwargs.get("target_positions")
+        next_ids = kwargs.get("next_token_ids")
+        if cad is None or not all(isinstance(t, torch.Tensor) for t in (hidden, positions, next_ids)):
+            return False
+        if positions.dim() != 1:
+            return False
+        batch = cad.batch_size()
+        if not kept.can_take(batch):
+            kept.trim()
+            if not kept.can_take(batch):
+                return False
+        last = kwargs.get("token_indices_to_sample")
+        if last is None:
+            last = cad.query_start_loc[1:] - 1
+        last = last[:batch].to(torch.long)
+        rows = HeadRows(
+            next_ids[:batch].clone(),
+            positions[last],
+            self.model.combine_hidden_states(hidden[last]),
+            cad.slot_mapping[last],
+            self._request_keys(batch),
+        )
+        kept.append(rows, covers=int(positions.shape[0]))
+        return True
 
     def _first_pass_rows(self, num_tokens: int, indices: torch.Tensor, cad: Any, valid_only: bool) -> HeadRows:
         """This step's head rows from the buffers set_inputs_first_pass just wrote (valid_only: without the rows

@@ -565,9 +565,9 @@ class EchoProposer(EagleProposer):
         hidden = kwargs.get("target_hidden_states")
         positions = kwargs.get("target_positions")
         next_ids = kwargs.get("next_token_ids")
-        if cad is None or not all(isinstance(t, torch.Tensor) for t in (hidden, positions, next_ids)):
+        if cad is None or not isinstance(hidden, torch.Tensor) or not isinstance(next_ids, torch.Tensor):
             return False
-        if positions.dim() != 1:
+        if not isinstance(positions, torch.Tensor) or positions.dim() != 1:
             return False
         batch = cad.batch_size()
         if not kept.can_take(batch):

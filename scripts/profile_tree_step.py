@@ -346,7 +346,9 @@ def main() -> int:
                             f"steps with fewer than {batch_size} requests: {sum(r < batch_size for r, _, _ in sched)} of {n}"
                         )
                         # Full decode-only steps (every slot decoding, no prompt tokens): the steady step's cost.
-                        times = [t for _, _, t in rep["step_kinds_raw"]] if rep.get("step_kinds_raw") else []
+                        # Both lists start after the warm-up unless --all-steps timed the warm-up's steps too.
+                        raw = rep.get("step_kinds_raw") or []
+                        times = [t for _, _, t in raw] if len(raw) == len(sched) else []
                         full = sorted(t for (r, tok, d), t in zip(sched, times) if r == batch_size and tok == r + d)
                         if full:
                             print(

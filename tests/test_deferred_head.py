@@ -193,3 +193,49 @@ def test_valid_rows_leave_out_the_rejected_padding():
     qsl = torch.tensor([0, 3, 4, 7])
     last_valid = torch.tensor([1, 3, 4])  # request 0 keeps rows 0-1, request 1 row 3, request 2 row 4
     assert valid_rows(qsl, last_valid, 7).tolist() == [True, True, False, True, True, False, False]
+
+
+def test_window_one_plain_step_keeps_the_row_vllm_would_lay_out_last():
+    """EchoProposer._defer_newest_rows (window 1, a plain step, no vLLM propose): per request the row vLLM's
+    first pass lays out last - input id = the next token, the last valid position (token_indices_to_sample, else
+    the end of the request's rows), the fc of that row's auxiliary hidden states, its KV slot - and the step's
+    rows counted as deferred. Other windows take the general path."""
+    from types import SimpleNamespace
+
+    from echo_vllm.vllm.proposer import EchoProposer
+
+    qsl = torch.tensor([0, 1, 5, 7], dtype=torch.int32)  # request 0: 1 row; 1: a 4-row prompt chunk; 2: 2 rows
+    aux = torch.arange(7 * 6, dtype=torch.float32).reshape(7, 6)  # [N, 3H], H = 2
+    fc = torch.arange(12, dtype=torch.float32).reshape(6, 2)
+    cad = SimpleNamespace(query_start_loc=qsl, slot_mapping=torch.arange(100, 107), batch_size=lambda: 3)
+    kwargs = {
+        "common_attn_metadata": cad,
+        "target_hidden_states": aux,
+        "target_positions": torch.tensor([4, 0, 1, 2, 3, 8, 9]),
+        "next_token_ids": torch.tensor([41, 42, 43]),
+        "token_indices_to_sample": torch.tensor([0, 4, 5]),  # request 2's last row was a rejected draft
+    }
+
+    def proposer(window: int):
+        return SimpleNamespace(
+            deferred_head=DeferredHeadRows(capacity=64, window=window),
+            method="eagle3",
+            model=SimpleNamespace(combine_hidden_states=lambda h: h @ fc),
+            _request_keys=lambda batch: torch.tensor([7, 8, 9][:batch]),
+        )
+
+    p = proposer(1)
+    assert EchoProposer._defer_newest_rows(p, kwargs)
+    (rows,) = p.deferred_head._parts
+    assert rows.input_ids.tolist() == [41, 42, 43]
+    assert rows.positions.tolist() == [4, 3, 8]
+    assert torch.equal(rows.hidden, aux[[0, 4, 5]] @ fc)
+    assert rows.slots.tolist() == [100, 104, 105] and rows.keys.tolist() == [7, 8, 9]
+    assert p.deferred_head.summary()["deferred_rows"] == 7  # the step's rows, 4 of them dropped at once
+    # Without token_indices_to_sample the last row of each request is the one.
+    p = proposer(1)
+    assert EchoProposer._defer_newest_rows(p, {**kwargs, "token_indices_to_sample": None})
+    assert p.deferred_head._parts[0].positions.tolist() == [4, 3, 9]
+    for window in (0, 2):
+        p = proposer(window)
+        assert not EchoProposer._defer_newest_rows(p, kwargs) and p.deferred_head.num_rows == 0

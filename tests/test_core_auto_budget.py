@@ -923,3 +923,105 @@ def test_level_counts_equal_the_direct_formulation(seed, rows, width, drafted, d
     chain = torch.where(torch.arange(drafted) < counts.unsqueeze(1), torch.arange(1, drafted + 1), 0)
     chain_accepted = (torch.rand(rows, generator=gen) * (counts + 1)).long()
     assert level_counts(chain_accepted, chain, drafted) == _level_counts_direct(chain_accepted, chain, drafted)
+
+
+def _seeded_budget(model, max_depth: int):
+    """A budget whose refit takes `model` (the share hook stands in for rank 0's fit), for observe_sweep tests."""
+    from echo_vllm.core.time_budget import COST_VECTOR_LENGTH, TimeAwareBudget
+
+    packed = model.to_vector()
+    vector = packed + [0.0] * (COST_VECTOR_LENGTH - len(packed))
+    return TimeAwareBudget(
+        max_depth, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None, share=lambda _: vector
+    )
+
+
+def test_warmup_steps_seed_the_depth_plan_once_the_cost_model_can_price_them():
+    """observe_sweep: a warm-up step (every drafted node verified) counts its continuation events at once and its
+    levels when the first fit arrives - the same values observe_verification gives the same steps with the model
+    in place; a profile step (a fraction verified) counts continuation only; a warm-up step with a request cut
+    short is not a level sample."""
+    from echo_vllm.core.cost_model import CostModel
+    from echo_vllm.core.time_budget import TimeAwareBudget
+
+    model = CostModel((1.0, 2.0, 4.0, 8.0, 16.0), (1.0, 1.0, 1.05, 1.1, 1.2), 0.0, (0.0, 0.0, 0.05, 0.0), 0.0, 4)
+    steps = [torch.tensor([3, 1, 0, 3]), torch.tensor([2, 3, 3, 0]), torch.tensor([3, 3, 1, 2])]
+    full = torch.tensor([[1, 2, 3]] * 4)
+    seeded = _seeded_budget(model, 3)
+    for accepted in steps:
+        seeded.observe_sweep(accepted, full, batch=4, drafted_depth=3, full=True)
+    assert seeded.controller.value == [None] * 4  # nothing priced before the fit
+    assert seeded._tried[0] == pytest.approx(12.0, rel=0.05)  # continuation counted already: 3 steps x 4 requests
+    seeded.refit(first=True)
+    assert seeded.cost_model == model
+    direct = TimeAwareBudget(3, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None)
+    direct.cost_model = model
+    for accepted in steps:
+        direct.observe_verification(accepted, full, batch=4, drafted_depth=3)
+    assert seeded.controller.value == pytest.approx(direct.controller.value)
+    assert seeded.controller.measured_requests == 12
+    assert not seeded._seed_levels  # replayed once
+    # Profile steps: continuation only.
+    profile = _seeded_budget(model, 3)
+    profile.observe_sweep(steps[0], full, batch=4, drafted_depth=3, full=False)
+    profile.refit(first=True)
+    assert profile.controller.measured_requests == 0 and profile._tried[0] > 0
+    # A request verified to depth 1 of 3 drafted (the scheduler's token budget): not a level sample.
+    cut = _seeded_budget(model, 3)
+    cut.observe_sweep(steps[0], torch.tensor([[1, 2, 3]] * 3 + [[1, 0, 0]]), batch=4, drafted_depth=3, full=True)
+    cut.refit(first=True)
+    assert cut.controller.measured_requests == 0
+    # With the model already there (a loaded budget profile), a warm-up step is priced at once.
+    loaded = TimeAwareBudget(3, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None)
+    loaded.cost_model = model
+    loaded.observe_sweep(steps[0], full, batch=4, drafted_depth=3, full=True)
+    assert loaded.controller.measured_requests == 4
+
+
+def test_a_bad_first_auto_step_does_not_put_a_seeded_plan_to_plain_decoding():
+    """The testbed at batch 4: a warm-up of 16 full-depth steps accepted ~2 of 4 drafts per request, where depth 4
+    pays ~1.5x plain; the first auto steps drafted depth 4 (accepted 2, 1, 0, 1) and depth 2 (1, 0, 0, 0). Without
+    the warm-up's evidence those two steps were the plan's whole memory and its continuation rates rested on
+    them: every depth fell below plain and the probes (one depth deeper than plain, deeper levels imputed from
+    those rates) held it there. Seeded from the warm-up, the plan keeps drafting."""
+    from echo_vllm.core.cost_model import CostModel
+    from echo_vllm.core.time_budget import TimeAwareBudget
+
+    # The run's fitted step at batch 4 (its step log's model_ms): 6.34 ms plain, 10.4 / 10.95 / 11.5 / 12.05 ms at
+    # depth 1-4 with every draft verified (the first pass and verify(B) make depth 1 the big jump).
+    model = CostModel(
+        (4.0, 8.0, 12.0, 16.0, 20.0, 32.0),
+        (0.00634, 0.0065, 0.00665, 0.0068, 0.00695, 0.0074),
+        0.0,
+        (0.0, 0.0, 0.0004, 0.0),
+        0.0,
+        4,
+        first_pass_terms=(0.002, 0.0),
+        verify_terms=(0.0015, 0.0),
+    )
+    # That run's warm-up (accepted drafts per request, 4 drafted and verified): ~1.9 of 4.
+    warmup = [
+        torch.tensor(row)
+        for row in (
+            [0, 0, 1, 0], [0, 4, 0, 4], [4, 4, 2, 2], [4, 4, 4, 1], [4, 4, 0, 0], [4, 4, 1, 0], [4, 4, 1, 2],
+            [4, 4, 1, 1], [4, 1, 2, 2], [4, 0, 1, 1], [3, 0, 2, 0], [4, 0, 1, 0], [4, 0, 1, 0], [4, 0, 0, 1],
+            [4, 3, 0, 0],
+        )
+    ]  # fmt: skip
+    full = torch.tensor([[1, 2, 3, 4]] * 4)
+
+    def first_auto_steps(budget: TimeAwareBudget) -> None:
+        budget.observe_verification(torch.tensor([2, 1, 0, 1]), full, batch=4, drafted_depth=4)
+        budget.observe_verification(torch.tensor([1, 0, 0, 0]), torch.tensor([[1, 2]] * 4), batch=4, drafted_depth=2)
+
+    seeded = _seeded_budget(model, 4)
+    for accepted in warmup:
+        seeded.observe_sweep(accepted, full, batch=4, drafted_depth=4, full=True)
+    seeded.refit(first=True)
+    assert max(v for v in seeded.controller.value if v is not None) > 1.2  # depth pays after the warm-up
+    first_auto_steps(seeded)
+    unseeded = TimeAwareBudget(4, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None)
+    unseeded.cost_model = model
+    first_auto_steps(unseeded)
+    assert unseeded.controller.plan(4, 16).depth == 0  # the trap the seed removes
+    assert seeded.controller.plan(4, 16).depth >= 2

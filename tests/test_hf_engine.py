@@ -263,8 +263,14 @@ def test_echo_auto_greedy_identical_and_profiles(root, prompts, reference, tmp_p
     cal = tmp_path / "cal.json"
     settings = EchoSettings(warmup_steps=8, min_samples_per_class=1, profile_steps=6, calibration_file=str(cal))
     engine = HFEngine(root / "target", root / "eagle3", EngineOptions(method="echo", max_depth=5, echo=settings))
+    assert engine.budget is not None
+    sweeps: list[bool] = []  # warm-up and profile steps reach the plan's seed (full: warm-up)
+    observe_sweep = engine.budget.observe_sweep
+    engine.budget.observe_sweep = lambda *a, full: (sweeps.append(full), observe_sweep(*a, full=full))[1]
     assert_identical(engine, prompts[:12], reference[:12], "echo auto")
-    assert engine.budget is not None and engine.budget.phase(engine.warming_up) == "auto"
+    assert engine.budget.phase(engine.warming_up) == "auto"
+    # Every warm-up step; the profile steps that drafted (its depth cycle has plain steps).
+    assert sweeps.count(True) == settings.warmup_steps and 0 < sweeps.count(False) < settings.profile_steps
     assert (tmp_path / "cal.budget.json").is_file()
     summary = engine.metrics.summary()
     assert summary["mean_draft_depth"] > 0 and summary["predicted_accepted_per_step"] >= 0

@@ -93,6 +93,8 @@ def test_auto_greedy_identical_through_every_phase(prompts, tmp_path, max_num_se
     # depth_values are the plan's load slot's (None where that slot has no measurement yet)
     measured = [s for s in auto_steps if s["depth_values"][0] is not None]
     assert measured and all(s["depth_values"][0] == 1.0 for s in measured)
+    # The warm-up's full-depth steps seed the plan (observe_sweep): its first auto step has every depth's value.
+    assert None not in auto_steps[0]["depth_values"], auto_steps[0]["depth_values"]
     assert any("ECHO budget" in line or "budget=auto" in line for line in echo["echo_log"])
     probed = [s for s in auto_steps if s["probe_rows"]]
     if partial:  # the probed rows verified every draft they had (the first step of the next wave may lack any)

@@ -14,6 +14,7 @@ broadcast from TP rank 0) makes every rank use rank 0's fit. No vLLM import; the
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,8 @@ COST_VECTOR_LENGTH = vector_length(MAX_KNOT_EXPONENT + 1)
 # The average head rows per request of a step (its forward's tokens less the drafts it verified: each request's
 # next-token row plus its prompt rows): weight of one step in the exponential average.
 HEAD_ROWS_WEIGHT = 0.05
+# Warm-up steps kept for the depth plan's first values (`observe_sweep`): at most this many, the newest.
+SEED_STEPS = 64
 
 Share = Callable[[Sequence[float]], list[float]]
 
@@ -145,6 +148,9 @@ class TimeAwareBudget:
         self.steps_seen = 0
         self._tried = [0.0] * max_depth  # continuation counts per depth 1..D (decayed)
         self._passed = [0.0] * max_depth
+        # Warm-up steps' level counts (batch, emitted, nodes, verified to end, accepted to end), kept until the cost
+        # model can price them (`observe_sweep`): the depth plan's first values.
+        self._seed_levels: deque[tuple[int, list[int], list[int], int, int]] = deque(maxlen=SEED_STEPS)
         self._curve_cache: dict[tuple[int, int, int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- per step ---------------------------------------------------------------------------------------------
@@ -280,6 +286,36 @@ class TimeAwareBudget:
         self._count_continuation(tried_h, passed_h)
         self._observe_levels(batch, emitted_h, nodes_h, verified_to_end, accepted_to_end)
 
+    def observe_sweep(
+        self, accepted: torch.Tensor, verified_depths: torch.Tensor, batch: int, drafted_depth: int, *, full: bool
+    ) -> None:
+        """A warm-up or profile step (its selection was the sweep's, not the plan's), in hindsight: its continuation
+        events always (P(accept depth j | reached j - 1) needs only what was verified), and with `full` (a warm-up
+        step: every drafted node verified, so only acceptance cut each request) its levels as the depth plan's
+        first values - at once if the cost model exists, else kept (the newest SEED_STEPS) until the first fit
+        prices them (`refit`). Profile steps verify fractions of their drafts, which cap the deeper levels by the
+        sweep's cut: their levels stay out.
+
+        Why: without them the plan started from its first two auto steps (MIN_MEASURED_REQUESTS at batch 4) and
+        continuation rates resting on a handful of request-steps and the prior; on the testbed one such step
+        that accepted 1 of 8 drafts put every depth below plain at batch 4, and the probes from plain (one depth
+        deeper, the deeper levels imputed from those rates) held it there for ~50 steps where depth 4 pays ~1.5x.
+        A warm-up of 16 steps at batch 4 is 64 request-steps verified to full depth: the same evidence a probe
+        gives, sixteen times over."""
+        if batch < 1 or drafted_depth < 1:
+            return
+        drafted = min(drafted_depth, self.max_depth)
+        emitted_h, nodes_h, tried_h, passed_h, verified_to_end, accepted_to_end = level_counts(
+            accepted, verified_depths, drafted
+        )
+        self._count_continuation(tried_h, passed_h)
+        if not full or nodes_h[drafted] == 0 or verified_to_end < accepted.shape[0]:
+            return  # a request cut short (e.g. by the scheduler's token budget) would cap the deeper levels
+        if self.cost_model is None:
+            self._seed_levels.append((batch, emitted_h, nodes_h, verified_to_end, accepted_to_end))
+        else:
+            self._observe_levels(batch, emitted_h, nodes_h, verified_to_end, accepted_to_end)
+
     def observe_plain(self, batch: int) -> None:
         """A step of `batch` requests that verified nothing (the plan or the budget chose plain decoding), in
         hindsight: every depth imputed from the continuation rates, as if each request had reached depth 0 and
@@ -401,6 +437,8 @@ class TimeAwareBudget:
             return
         self.cost_model = CostModel.from_vector(shared)
         self._curve_cache.clear()
+        while self._seed_levels:  # the warm-up's levels, priced now (oldest first, as they ran)
+            self._observe_levels(*self._seed_levels.popleft())
         if first:
             self.source = f"profiled over {self.profile_done} steps"
             if self.is_writer and self.profile_path is not None and not self.profile_path.exists():

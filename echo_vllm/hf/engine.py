@@ -442,7 +442,13 @@ class HFEngine:
         accepted[:, : mask.shape[1]] = mask
         recorded = torch.arange(1, d + 1).unsqueeze(0) <= verified_depth.unsqueeze(1)
         self.budget.acceptance.record(depth_confidence(tree), accepted, recorded)
-        self.budget.observe_verification(result.accepted_len, sel.order_depth, 1, self._drafted_depth(tree))
+        phase = self.budget.phase(self.warming_up)
+        if phase == "auto":
+            self.budget.observe_verification(result.accepted_len, sel.order_depth, 1, self._drafted_depth(tree))
+        else:  # warm-up / profile: continuation rates, and the warm-up's levels as the plan's first values
+            self.budget.observe_sweep(
+                result.accepted_len, sel.order_depth, 1, self._drafted_depth(tree), full=phase == "warmup"
+            )
         self.budget.observe_selection(int(sel.counts[0]))
         self.metrics.record_plan(self._plan.depth, predicted)
         if predicted is not None:

@@ -144,6 +144,7 @@ class PendingVerification:
     drafted_depth: int = 0  # how deep the step drafted (the depth plan's hindsight)
     listed: SpineFirstOrder | None = None  # trees: the drafts as listed (spine first); None: chains
     feeds_plan: bool = True  # its hindsight goes to the depth plan (not in ECHO_VLLM_POLICY_BLOCKS' cut:d blocks)
+    sweep: str = ""  # "warmup" / "profile": a step of the time-aware budget's sweeps (`observe_sweep`)
 
 
 class EchoProposer(EagleProposer):
@@ -811,6 +812,7 @@ class EchoProposer(EagleProposer):
             depth,
             listed,
             feeds_plan=self._policy == "auto",
+            sweep=self._sweep_phase(),
         )
         step_sum = sum(counts)
         if self.k_max is not None and step_sum > self.k_max:  # select_budget guarantees this; never silent
@@ -1012,11 +1014,26 @@ class EchoProposer(EagleProposer):
                 self.budget.observe_verification(
                     plan_accepted, plan_depths, len(pending.req_ids), pending.drafted_depth
                 )
+            elif pending.sweep:  # continuation rates from every sweep step; the warm-up's levels seed the plan
+                self.budget.observe_sweep(
+                    plan_accepted,
+                    plan_depths,
+                    len(pending.req_ids),
+                    pending.drafted_depth,
+                    full=pending.sweep == "warmup",
+                )
         if self.calibration is None and self.echo_settings.warmup_steps > 0:
             self.recorder.record(confidence[old], mask, verified_depth)
             self.warmup_recorded += 1
             if self.warmup_recorded >= self.echo_settings.warmup_steps:
                 self._finish_warmup()
+
+    def _sweep_phase(self) -> str:
+        """This step's sweep ("warmup" or "profile": the time-aware budget's, not the plan's selection), else ""."""
+        if self.budget is None:
+            return ""
+        phase = self.phase
+        return phase if phase in ("warmup", "profile") else ""
 
     def _observe_plain_step(self, batch: int) -> None:
         """A step that verifies nothing, into the depth plan's hindsight (`TimeAwareBudget.observe_plain`); only in

@@ -328,16 +328,16 @@ def test_a_switch_margin_leaves_a_depth_whose_worth_collapses():
 
 def test_next_depth_probes_draft_one_deeper_than_the_best():
     """probe_depth 'next': a probe drafts one depth deeper than the plan's best and verifies all of it (its cap is
-    that depth's share of the ceiling), so a plan at plain decoding probes depth 1, not B x D drafts; before the
-    plan has measurements, and at the max depth, the probe is a full one."""
+    that depth's share of the ceiling), not B x D drafts; a plan at plain decoding probes one deeper than its best
+    drafting depth; before the plan has measurements, and at the max depth, the probe is a full one."""
     control = DraftController(3, window=2, probe_interval=3, alpha=0.5, probe_next=True)
     first = control.plan(batch=8, ceiling=24)
     assert (first.depth, first.k_cap) == (3, 24)  # nothing measured yet: full depth
     for _ in range(2):
         control.observe(0)
         control.observe_levels([3.0, 1.0, 0.5, 0.2])
-    probe = control.plan(8, 24)  # step 2: plain decoding leads; a probe is due
-    assert probe.probe and (probe.depth, probe.k_cap) == (1, 8)
+    probe = control.plan(8, 24)  # step 2: plain decoding leads, depth 1 is the best drafting depth; a probe is due
+    assert probe.probe and (probe.depth, probe.k_cap) == (2, 16)
     control.observe(8)
     for _ in range(3):
         control.observe(16)
@@ -351,6 +351,12 @@ def test_next_depth_probes_draft_one_deeper_than_the_best():
     control.observe(16)
     control.observe(16)
     assert control.plan(8, 24) == DraftPlan(3, 24, True)  # depth 2 leads: the probe drafts and verifies 3
+    # Plain leads and depth 2 is the best drafting depth (a stretch where depth 1 alone pays less than plain): the
+    # probe drafts 3 (measuring 1..3 directly), not depth 1.
+    from_plain = DraftController(3, probe_interval=1, alpha=0.5, probe_next=True)
+    from_plain.observe(0)
+    from_plain.observe_levels([1.0, 0.8, 0.95, 0.9])
+    assert from_plain.plan(8, 24) == DraftPlan(3, 24, True)
     full = DraftController(3, probe_interval=1, alpha=0.5)
     full.observe(0)
     full.observe_levels([3.0, 1.0, 0.5, 0.2])

@@ -107,8 +107,8 @@ def test_auto_greedy_identical_through_every_phase(prompts, tmp_path, max_num_se
     probes = [s for s in auto_steps if s["probe"]]
     cap = lambda s: s["batch"] * s["draft_depth"] + s["draft_depth"] * (top_k - 1 if s["tree_step"] else 0)  # noqa: E731
     assert all(s["k_cap"] == cap(s) and s["sum"] <= s["k_cap"] for s in probes if s["probe_rows"] == 0)
-    if next_probes:  # one deeper than the best measured depth (full depth while the slot is unmeasured)
-        best = [max(range(DEPTH + 1), key=lambda d: (s["depth_values"][d], -d)) for s in probes]
+    if next_probes:  # one deeper than the best measured (drafting) depth (full depth while the slot is unmeasured)
+        best = [max(range(1, DEPTH + 1), key=lambda d: (s["depth_values"][d], -d)) for s in probes]
         assert probes and all(
             s["draft_depth"] in (min(DEPTH, b + 1), DEPTH)
             for s, b in zip(probes, best)

@@ -403,7 +403,13 @@ class DraftController:
                 return DraftPlan(self.max_depth, ceiling, True)
             # One deeper than the best: every draft of it verified, so the best and its deeper neighbour are
             # measured on the same step (ceiling = B x D x nodes per depth; the probe's cap is its depth's share).
-            probe_depth = min(self.max_depth, depth + 1)
+            # From plain decoding, one deeper than the best drafting depth: plain's rival is that depth, not depth
+            # 1, whose step pays drafting's fixed costs (the first pass, verify(B)) for one draft per request.
+            # Probing depth 1 from plain measured only that, the deeper levels imputed from continuation rates
+            # of a bad stretch that nothing re-measured: batch 4 on the testbed sat at plain for ~130 steps
+            # (probe after probe at depth 1 below plain) where depth 3-4 paid ~1.2x.
+            base = depth if depth > 0 else max(range(1, len(values)), key=lambda d: (values[d], -d))
+            probe_depth = min(self.max_depth, base + 1)
             return DraftPlan(probe_depth, ceiling // self.max_depth * probe_depth, True)
         self._current[self._slot] = depth
         return DraftPlan(depth, min(ceiling, max(4 * max(self._budget, default=0), 2 * batch)), False)

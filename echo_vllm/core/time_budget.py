@@ -299,7 +299,7 @@ class TimeAwareBudget:
         Why: without them the plan started from its first two auto steps (MIN_MEASURED_REQUESTS at batch 4) and
         continuation rates resting on a handful of request-steps and the prior; on the testbed one such step
         that accepted 1 of 8 drafts put every depth below plain at batch 4, and the probes from plain (one depth
-        deeper, the deeper levels imputed from those rates) held it there for ~50 steps where depth 4 pays ~1.5x.
+        deeper, the deeper levels imputed from those rates) held it there on 167 of ~500 steps where depth 4 pays ~1.5x.
         A warm-up of 16 steps at batch 4 is 64 request-steps verified to full depth: the same evidence a probe
         gives, sixteen times over."""
         if batch < 1 or drafted_depth < 1:

@@ -1031,3 +1031,42 @@ def test_a_bad_first_auto_step_does_not_put_a_seeded_plan_to_plain_decoding():
     first_auto_steps(unseeded)
     assert unseeded.controller.plan(4, 16).depth == 0  # the trap the seed removes
     assert seeded.controller.plan(4, 16).depth >= 2
+
+
+def test_the_first_step_of_each_shape_is_no_cost_sample():
+    """A step shape's (tokens in the forward, batch) first step pays one-off work its later steps do not; it is
+    no sample. A start-up profile that sweeps depths sees mostly new shapes, the warm-up one shape many times:
+    with every first step inflated, the fit must still price the swept depths at their steady cost."""
+    from echo_vllm.core.cost_model import StepSample
+    from echo_vllm.core.time_budget import TimeAwareBudget
+
+    batch = 4
+
+    def steady_rest(n: int) -> float:  # a linear curve, as on the testbed's CPU
+        return 0.004 + 0.0002 * n
+
+    budget = TimeAwareBudget(4, profile_steps=32, probe_interval=0, surplus_tail=True, profile_path=None)
+    seen: set[int] = set()
+
+    def step(n: int, depth: int) -> None:
+        cold = 1.3 if n not in seen else 1.0  # a shape's first step: 1.3x, outside and inside the proposer
+        seen.add(n)
+        sample = StepSample(n, batch, depth, cold * steady_rest(n), cold * 0.0005 * depth, verified=n - batch)
+        budget.add_sample(sample, warming_up=False)
+
+    for _ in range(16):  # the warm-up: one shape
+        step(batch * 5, 4)
+    # The profile: each depth's shape twice in a row, so every shape has one steady step besides its first.
+    for depth in (0, 1, 2, 3):
+        for _ in range(2):
+            step(batch * (1 + depth), depth)
+    stored = budget.samples.all()
+    assert len(stored) == 15 + 4  # each shape's first step left out, and only those
+    assert all(s.rest_s == pytest.approx(steady_rest(s.num_tokens)) for s in stored)
+    budget.refit(first=True)
+    model = budget.cost_model
+    assert model is not None
+    for depth in (0, 1, 2, 3, 4):
+        n = batch * (1 + depth)
+        predicted = model.rest_at(n, batch) + model.verify_at(batch, n - batch)
+        assert predicted == pytest.approx(steady_rest(n), rel=0.05)

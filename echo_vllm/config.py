@@ -77,9 +77,10 @@ class EchoSettings(BaseModel):
         ".budget.json next to calibration_file (none without one).",
     )
     profile_steps: int = Field(
-        default=24,
+        default=30,
         ge=4,
-        description="k_max 'auto': steps after warm-up that verify swept budgets to measure the step cost.",
+        description="k_max 'auto': steps after warm-up that verify swept budgets to measure the step cost (each "
+        "depth held for 3 steps; 30 = every depth twice).",
     )
     probe_interval: int = Field(
         default=16,

@@ -270,7 +270,7 @@ def run_one(method: str, batch_size: int, args: argparse.Namespace, work: Path) 
 
     ns = argparse.Namespace(
         methods=method, eagle3_depths=[args.eagle3_depth], depth=args.echo_depth, top_k=4, k_max=args.k_max if args.k_max == "auto" else int(args.k_max), warmup_steps=16,
-        profile_steps=24,
+        profile_steps=30,
         surplus_tail=True, dataset="humaneval", testbed=None, limit=args.limit, max_tokens=args.max_tokens,
         batch_sizes=[batch_size], rounds=1,
     )  # fmt: skip

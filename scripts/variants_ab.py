@@ -126,7 +126,7 @@ def main() -> int:
         for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
             ns = argparse.Namespace(
                 methods="nospec,echo-auto", eagle3_depths=[1], depth=4, top_k=4, k_max=16, warmup_steps=16,
-                profile_steps=24, surplus_tail=True, dataset="humaneval", testbed=None, limit=args.limit,
+                profile_steps=30, surplus_tail=True, dataset="humaneval", testbed=None, limit=args.limit,
                 waves=args.waves, max_tokens=args.max_tokens, batch_sizes=[batch_size], rounds=args.rounds,
             )  # fmt: skip
             plan = plan_from_args(ns)

@@ -241,7 +241,7 @@ def test_bench_vllm_surplus_tail_flag_reaches_the_echo_block():
     assert _echo_options(off) == {  # each ECHO method adds its own top_k (expand_variants)
         "k_max": 8,
         "warmup_steps": 16,
-        "profile_steps": 24,
+        "profile_steps": 30,
         "surplus_tail": False,
     }
 

@@ -1070,3 +1070,44 @@ def test_the_first_step_of_each_shape_is_no_cost_sample():
         n = batch * (1 + depth)
         predicted = model.rest_at(n, batch) + model.verify_at(batch, n - batch)
         assert predicted == pytest.approx(steady_rest(n), rel=0.05)
+
+
+def test_the_profile_holds_each_depth_so_its_steady_shape_is_measured():
+    """Each depth of the profile's cycle is held for PROFILE_HOLD steps that verify everything but the last (a
+    fraction): the held steps after the first have the steady shape N = B (1 + d), twice per depth and pass."""
+    from echo_vllm.core.time_budget import PROFILE_FRACTIONS, PROFILE_HOLD, profile_step
+
+    depth, batch = 4, 4
+    steps = [profile_step(i, depth) for i in range(PROFILE_HOLD * 2 * (depth + 1))]
+    cycle = [4, 0, 3, 1, 2, 2, 1, 3, 0, 4]
+    assert [d for d, _ in steps] == [d for d in cycle for _ in range(PROFILE_HOLD)]
+    assert [f for _, f in steps[PROFILE_HOLD - 1 :: PROFILE_HOLD]] == [
+        PROFILE_FRACTIONS[b % len(PROFILE_FRACTIONS)] for b in range(len(cycle))
+    ]
+    # A step's forward verifies its predecessor's selection: steady when that one drafted the same depth, all verified.
+    steady: dict[int, int] = {}
+    for (d0, f0), (d1, _) in zip(steps, steps[1:]):
+        if d0 == d1 and f0 == 1.0:
+            steady[d1] = steady.get(d1, 0) + 1
+    assert steady == dict.fromkeys(range(depth + 1), 4)  # every depth: twice per hold, two holds per pass
+    # The budget runs the same sweep: the plan's depths and the selection's fractions.
+    from echo_vllm.core.time_budget import TimeAwareBudget
+
+    budget = TimeAwareBudget(depth, profile_steps=30, probe_interval=0, surplus_tail=True, profile_path=None)
+    planned = [budget.plan(batch, 1, warming_up=False, warmup_cap=16).depth for _ in range(9)]
+    assert planned == [d for d, _ in steps[:9]]
+
+
+def test_knots_are_at_most_one_and_a_half_apart_so_a_lumpy_curve_fits():
+    """The step cost on the testbed's CPU jumps between N = 12 and 16 (batch 4, depths 2 and 3); with knots at
+    powers of two alone N = 12 sat mid-segment and was priced at its neighbours' mean. A knot at 12 follows it."""
+    from echo_vllm.core.cost_model import StepSample, _knots_for, fit_cost_model
+
+    assert _knots_for(20) == [1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0]
+    measured = {4: 0.0059, 8: 0.0083, 12: 0.0090, 16: 0.0111, 20: 0.0120}  # batch-4 steady steps, seconds
+    samples = [StepSample(n, 4, 0, t, 0.0, verified=n - 4) for n, t in measured.items() for _ in range(3)]
+    model = fit_cost_model(samples)
+    assert model is not None
+    for n, t in measured.items():
+        predicted = model.rest_at(n, 4) + model.verify_at(4, n - 4)
+        assert predicted == pytest.approx(t, rel=0.03), n

@@ -115,7 +115,7 @@ def echo_block(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "k_max": getattr(args, "k_max", 16),
         "warmup_steps": getattr(args, "warmup_steps", 16),
-        "profile_steps": getattr(args, "profile_steps", 24),
+        "profile_steps": getattr(args, "profile_steps", 30),
         "surplus_tail": getattr(args, "surplus_tail", True),
     }
 
@@ -156,7 +156,7 @@ def plan_from_args(args: argparse.Namespace, dataset: list[str] | None = None) -
         max_tokens=args.max_tokens,
         waves=getattr(args, "waves", 1),
         # The untimed warm-up covers ECHO's calibration and (echo-auto) its cost profile: timing starts in steady state.
-        warmup_steps=args.warmup_steps + getattr(args, "profile_steps", 24),
+        warmup_steps=args.warmup_steps + getattr(args, "profile_steps", 30),
     )
 
 
@@ -342,7 +342,7 @@ def add_vllm_args(parser: argparse.ArgumentParser, defaults: dict[str, Any]) -> 
         "--warmup-steps", type=int, default=16, help="echo: verification steps before gates apply (in the warm-up)"
     )
     parser.add_argument(
-        "--profile-steps", type=int, default=24, help="echo-auto: cost-profile steps after calibration (in the warm-up)"
+        "--profile-steps", type=int, default=30, help="echo-auto: cost-profile steps after calibration (in the warm-up)"
     )
     parser.add_argument(
         "--no-surplus-tail",

@@ -45,7 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_KNOT_EXPONENT = 16  # knots 1, 2, 4, ..., 65536 tokens: more than any step's max_num_batched_tokens here
+MAX_KNOT_EXPONENT = 16  # knots up to 65536 tokens: more than any step's max_num_batched_tokens here
+MAX_KNOTS = 2 * MAX_KNOT_EXPONENT  # `_knots_for` at its largest: 2^0..2^16 and 3 x 2^0..3 x 2^14
 DRAFT_TERMS = 4  # a, b, c, e of draft(B, d)
 TREE_TERMS = 2  # t0, t1 of tree(W)
 FIRST_PASS_TERMS = 2  # f, g of draft(B, d): the step cost of drafting at all (d >= 1)
@@ -91,8 +92,16 @@ class StepSamples:
 
 
 def _knots_for(max_tokens: float) -> list[float]:
+    """1, 2, 3, 4, 6, 8, 12, 16, 24, ... up to a power of two past `max_tokens`: neighbours at most 1.5x apart.
+
+    Why not powers of two alone: the depth plan prices each depth at its steady shape N = B (1 + d), and the step
+    cost on the testbed's CPU is not smooth in N (batch 4: +0.8 ms from N = 8 to 12, +2.1 ms from 12 to 16, in
+    the target forward and in the drafter's first pass over the same rows). Between knots 8 and 16 the curve is one
+    line, so depth 2 (N = 12) was priced at the mean of its neighbours, ~0.7 ms above its steps; a knot at 12 can
+    follow them. Knots without samples follow their neighbours' line (`_slope_changes`), so the extra knots cost
+    nothing where there is no data."""
     top = max(1, min(MAX_KNOT_EXPONENT, math.ceil(math.log2(max(1.0, max_tokens))) + 1))
-    return [float(2**i) for i in range(top + 1)]
+    return sorted([float(2**i) for i in range(top + 1)] + [float(3 * 2**i) for i in range(top - 1)])
 
 
 def _hat_basis(num_tokens: torch.Tensor, knots: torch.Tensor) -> torch.Tensor:

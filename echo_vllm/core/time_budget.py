@@ -2,9 +2,9 @@
 
 Phases (`phase`):
   warmup   the gates are calibrating: the engine's warm-up budget (everything drafted, every depth recorded);
-  profile  `profile_steps` steps that draft to a cycle of depths (D, 0, D-1, 1, ...) and verify a cycle of
-           fractions of the candidates (PROFILE_FRACTIONS), so that the step cost is sampled across token counts
-           and draft depths; then the first fit (saved to the budget profile file if it does not exist);
+  profile  `profile_steps` steps that draft to a cycle of depths (D, 0, D-1, 1, ...), each held for a few
+           steps that verify every candidate, then a fraction of them (PROFILE_FRACTIONS; `profile_step`), so that
+           the step cost is sampled at every depth's steady shape and between; then the first fit (saved to the budget profile file if it does not exist);
   auto     every step: `DraftController` plans the draft depth and candidate cap, `select_auto` cuts ECHO's order
            where expected tokens per second peak (acceptance from `AcceptanceModel`, time from `CostModel`); the
            cost model is refit every REFIT_INTERVAL steps from the samples the engine adds.
@@ -32,20 +32,22 @@ from .auto_budget import (
 )
 from .budget import BudgetSelection
 from .budget_profile import load_profile, save_profile
-from .cost_model import MAX_KNOT_EXPONENT, CostModel, StepSample, StepSamples, fit_cost_model, vector_length
+from .cost_model import MAX_KNOTS, CostModel, StepSample, StepSamples, fit_cost_model, vector_length
 from .gating import Gates
 from .tree import DraftTree
 
 REFIT_INTERVAL = 64  # steps between refits of the cost model (and refreshes of the acceptance table)
 # Profile steps verify these fractions of the candidates in turn: step costs across the token range, plain steps too.
 PROFILE_FRACTIONS = (0.0, 0.5, 1.0, 0.25, 0.75, 0.125)
+# The profile holds each depth of its cycle for this many steps (`profile_step`).
+PROFILE_HOLD = 3
 IDLE_FACTOR = 4.0  # a step slower than this x the model's prediction waited for work (idle engine): not a sample
 MAX_PROFILE_SAMPLES = 256
 # The depth plan's continuation rates (imputed deeper levels): per-depth counts decay by this per request-step
 # counted, and shrink towards the pooled rate with this many pseudo-samples.
 CONTINUATION_DECAY = 0.01
 CONTINUATION_PRIOR = 4.0
-COST_VECTOR_LENGTH = vector_length(MAX_KNOT_EXPONENT + 1)
+COST_VECTOR_LENGTH = vector_length(MAX_KNOTS)
 # The average head rows per request of a step (its forward's tokens less the drafts it verified: each request's
 # next-token row plus its prompt rows): weight of one step in the exponential average.
 HEAD_ROWS_WEIGHT = 0.05
@@ -56,6 +58,26 @@ SEED_STEPS = 64
 MAX_SEEN_SHAPES = 1 << 16
 
 Share = Callable[[Sequence[float]], list[float]]
+
+
+def profile_step(index: int, max_depth: int) -> tuple[int, float]:
+    """(draft depth, fraction of the candidates verified) of the profile's step `index` (0-based).
+
+    The depths cycle D, 0, D - 1, 1, ...; each is held for PROFILE_HOLD steps, all but the last verifying every
+    candidate, the last a fraction from PROFILE_FRACTIONS (so the next depth starts from a partial step).
+
+    Why held: a step's forward verifies what the step before it selected, so only a step that follows one of the
+    same depth verifying everything has the steady shape of that depth (N = B (1 + d) tokens, a d-deep drafter),
+    the shape the depth plan prices. A cycle that changed the depth and the fraction every step sampled those
+    shapes only by chance (batch 4 on the testbed: one step of 24 at depth 2's shape), and a step shape's first
+    step is no sample (`add_sample`); the step cost on the testbed's CPU is not smooth in N (batch 4, steady
+    steps: +0.8 ms from depth 1 to 2, +2.1 ms from 2 to 3), so the fit's curve between the shapes it saw missed
+    depth 2 by ~1 ms and the plan drafted deeper than the best static depth. Held, each depth's shape comes twice
+    per pass of the cycle."""
+    cycle = [x for pair in zip(range(max_depth, -1, -1), range(max_depth + 1)) for x in pair]
+    block, within = divmod(index, PROFILE_HOLD)
+    fraction = 1.0 if within < PROFILE_HOLD - 1 else PROFILE_FRACTIONS[block % len(PROFILE_FRACTIONS)]
+    return cycle[block % len(cycle)], fraction
 
 
 def _no_share(values: Sequence[float]) -> list[float]:
@@ -181,9 +203,7 @@ class TimeAwareBudget:
             return plan
         if phase == "profile":
             self.profile_done += 1
-            d = self.max_depth
-            cycle = [x for pair in zip(range(d, -1, -1), range(d + 1)) for x in pair]
-            return DraftPlan(cycle[(self.profile_done - 1) % len(cycle)], ceiling, False)
+            return DraftPlan(profile_step(self.profile_done - 1, self.max_depth)[0], ceiling, False)
         return DraftPlan(self.max_depth, min(ceiling, warmup_cap), False)
 
     def probe_due(self, batch: int, warming_up: bool) -> bool:
@@ -210,7 +230,7 @@ class TimeAwareBudget:
             return None, None
         if phase == "profile":
             rank, eligible = priority_rank(tree, gates, self.surplus_tail)
-            fraction = PROFILE_FRACTIONS[(self.profile_done - 1) % len(PROFILE_FRACTIONS)]
+            fraction = profile_step(self.profile_done - 1, self.max_depth)[1]
             return select_by_rank(tree, rank, eligible, (eligible.sum() * fraction).floor().long()), None
         if plan.probe and not chain:
             # One request's siblings: a spine-sibling tree has N = depth x top_k nodes per request (no host sync).

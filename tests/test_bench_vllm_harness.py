@@ -163,6 +163,10 @@ def test_request_steps_count_requests_without_drafts():
     # A last step cut at max_tokens (3 accepted counted, 1 emitted): the drafted steps are the lower bound.
     out = _out(1.0, tokens=[[0] * 2, [0] * 2], drafts=2, draft_tokens=4, accepted=3)
     assert request_steps(out) == 4
+    # vLLM's own count (first-token and inter-token observations) wins over both bounds when the job has it.
+    out = _out(1.0, tokens=[[0] * 4, [0] * 4], drafts=1, draft_tokens=2, accepted=2)
+    assert request_steps({**out, "request_steps": 7.0}) == 7
+    assert request_steps({**out, "request_steps": 0.0}) == 6  # no statistics: the bounds
 
 
 def test_measure_eagle3_and_echo_rows():

@@ -67,6 +67,12 @@ def test_auto_greedy_identical_through_every_phase(prompts, tmp_path, max_num_se
     echo = _run(used, max_num_seqs, {**ECHO, "top_k": top_k, **partial, **probe_depth}, step_log)
     mismatches = [i for i, (a, b) in enumerate(zip(baseline["token_ids"], echo["token_ids"])) if a != b]
     assert not mismatches, f"k_max auto, max_num_seqs={max_num_seqs}: prompts {mismatches[:5]} differ from no-spec"
+    # vLLM's count of request-steps that emitted (the benchmark's tokens per request-step): exact without drafts,
+    # and with ECHO between the two lower bounds it replaced (E - A; prompts + request-steps with drafts) and E.
+    assert baseline["request_steps"] == baseline["num_generated"]
+    spec = echo["spec"]
+    lower = max(echo["num_generated"] - spec["num_accepted_tokens"], len(used) + spec["num_drafts"])
+    assert lower <= echo["request_steps"] < echo["num_generated"]
     steps = _steps(step_log)
     phases = [s["phase"] for s in steps]
     assert phases[0] == "warmup" and "profile" in phases and phases[-1] == "auto", sorted(set(phases))

@@ -63,6 +63,12 @@ def _counters(llm) -> dict[str, float]:
     values = {key: _counter(metrics, name) for key, name in _COUNTERS.items()}
     # One observation per engine step (tokens scheduled in it): the step count of ms/step.
     values["engine_steps"] = _histogram_count(metrics, "vllm:iteration_tokens_total")
+    # One observation per request-step that emitted tokens: a request's first token (time to first token) and each
+    # later step of it (inter-token latency, one per engine-core output however many tokens it carried). Their sum
+    # is the exact request-step count of tokens per request-step, also for steps in which ECHO gave a request no
+    # drafts (vLLM's spec-decode counters see only the request-steps with drafts).
+    values["first_token_steps"] = _histogram_count(metrics, "vllm:time_to_first_token_seconds")
+    values["later_token_steps"] = _histogram_count(metrics, "vllm:inter_token_latency_seconds")
     return values
 
 
@@ -170,6 +176,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     return {
         "warmup": warmup,
         "engine_steps": counts["engine_steps"],
+        # Request-steps that emitted tokens (0 when the engine keeps no such statistics).
+        "request_steps": counts["first_token_steps"] + counts["later_token_steps"],
         "echo_stats": echo_stats,
         "step_log_offset": step_log_offset,
         "torch_threads": _torch_threads(),

@@ -175,6 +175,9 @@ def test_measure_eagle3_and_echo_rows():
     assert eagle["accepted_per_verified_draft"] == 0.5
     assert eagle["mean_step_budget"] == 1.5 and eagle["mean_draft_depth"] == 3.0
     assert eagle["ms_per_step"] == {"total": 125.0}
+    # 6 tokens over 4 engine steps; vLLM counted 5 request-steps: 1.2 tokens each, 1.25 requests per step.
+    counted = measure(Variant("eagle3", 3), {**_out(0.5, drafts=2, draft_tokens=6, accepted=3), "request_steps": 5.0})
+    assert counted["tokens_per_request_step"] == 1.2 and counted["requests_per_step"] == 1.25
     preempted = measure(Variant("nospec"), {**_out(1.0), "scheduler": {"num_preemptions": 2}})
     assert preempted["num_preemptions"] == 2
     stats = {"calibration": "calibrated after 4 steps", "mean_draft_depth": 1.5, "ms_per_step": {"draft": 1.0}}

@@ -13,6 +13,10 @@ synthetic job outputs. Definitions (the columns of docs/benchmarks.md):
                                with drafts, both lower bounds: E - A short by drafts accepted past max_tokens,
                                P + D by the request-steps without drafts (ECHO's K_i = 0, 23-43 % of ECHO auto's
                                request-steps at batch 4-64 on the testbed), which overstated ECHO's figure
+  requests_per_step            request-steps / engine steps: how full the steps ran. tokens/s = requests_per_step
+                               x tokens_per_request_step / ms per step, so the three columns split a gap. A
+                               method whose requests progress unevenly (ECHO's budget gives confident requests
+                               depth first) drains its last requests over more, emptier steps
   accepted_per_verified_draft  accepted / verified draft tokens (vLLM's counters)
   mean_step_budget             verified draft tokens per engine step (vLLM's counters, every method alike)
   mean_draft_depth             tokens drafted per request per step: EAGLE-3's depth, 0 for no-spec, ECHO's own
@@ -107,6 +111,7 @@ def measure(variant: Variant, out: Mapping[str, Any], oracle: Mapping[str, Any] 
         "generate_seconds": out["generate_seconds"],
         "num_generated": emitted,
         "tokens_per_request_step": emitted / request_steps(out) if emitted else None,
+        "requests_per_step": request_steps(out) / steps if steps and emitted else None,
         "accepted_per_verified_draft": float(spec["num_accepted_tokens"]) / draft_tokens if draft_tokens else None,
         "mean_step_budget": draft_tokens / steps if steps else None,
         "mean_draft_depth": depth,
@@ -160,7 +165,13 @@ def aggregate(
         "identical_to_baseline": bool(identical) and all(identical) and not errors,
         "errors": errors,
     }
-    for key in ("tokens_per_request_step", "accepted_per_verified_draft", "mean_step_budget", "mean_draft_depth"):
+    for key in (
+        "tokens_per_request_step",
+        "requests_per_step",
+        "accepted_per_verified_draft",
+        "mean_step_budget",
+        "mean_draft_depth",
+    ):
         row[key] = median_or_none(r.get(key) for r in rounds)
     row["ms_per_step"] = _median_dict(r.get("ms_per_step") for r in rounds)
     row["num_preemptions"] = sum(r.get("num_preemptions") or 0 for r in rounds)

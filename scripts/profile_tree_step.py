@@ -277,8 +277,9 @@ def run_one(method: str, batch_size: int, args: argparse.Namespace, work: Path) 
     plan = plan_from_args(ns)
     work.mkdir(parents=True, exist_ok=True)
     job, env_extra = build_job(plan, plan.variants[-1], batch_size, work, profile_key=True)
-    if args.echo:  # KEY=VALUE settings into the job's echo block (JSON values)
-        echo = job["speculative_config"]["echo"]
+    echo_block = (job.get("speculative_config") or {}).get("echo")
+    if args.echo and echo_block is not None:  # KEY=VALUE settings into an ECHO job's echo block (JSON values)
+        echo = echo_block
         for item in args.echo:
             key, _, value = item.partition("=")
             try:

@@ -12,7 +12,8 @@ synthetic job outputs. Definitions (the columns of docs/benchmarks.md):
                                them: max(E - A, P + D), E emitted, A accepted drafts, P prompts, D request-steps
                                with drafts, both lower bounds: E - A short by drafts accepted past max_tokens,
                                P + D by the request-steps without drafts (ECHO's K_i = 0, 23-43 % of ECHO auto's
-                               request-steps at batch 4-64 on the testbed), which overstated ECHO's figure
+                               request-steps at batch 4-64 on the testbed; there E - A was the larger and
+                               within 2 %)
   requests_per_step            request-steps / engine steps: how full the steps ran. tokens/s = requests_per_step
                                x tokens_per_request_step / ms per step, so the three columns split a gap. A
                                method whose requests progress unevenly (ECHO's budget gives confident requests

@@ -4,7 +4,8 @@ Phases (`phase`):
   warmup   the gates are calibrating: the engine's warm-up budget (everything drafted, every depth recorded);
   profile  `profile_steps` steps that draft to a cycle of depths (D, 0, D-1, 1, ...), each held for a few
            steps that verify every candidate, then a fraction of them (PROFILE_FRACTIONS; `profile_step`), so that
-           the step cost is sampled at every depth's steady shape and between; then the first fit (saved to the budget profile file if it does not exist);
+           the step cost is sampled at every depth's steady shape and between; then the first fit (saved to the
+           budget profile file if it does not exist);
   auto     every step: `DraftController` plans the draft depth and candidate cap, `select_auto` cuts ECHO's order
            where expected tokens per second peak (acceptance from `AcceptanceModel`, time from `CostModel`); the
            cost model is refit every REFIT_INTERVAL steps from the samples the engine adds.
@@ -71,7 +72,7 @@ def profile_step(index: int, max_depth: int) -> tuple[int, float]:
     the shape the depth plan prices. A cycle that changed the depth and the fraction every step sampled those
     shapes only by chance (batch 4 on the testbed: one step of 24 at depth 2's shape), and a step shape's first
     step is no sample (`add_sample`); the step cost on the testbed's CPU is not smooth in N (batch 4, steady
-    steps: +0.8 ms from depth 1 to 2, +2.1 ms from 2 to 3), so the fit's curve between the shapes it saw missed
+    steps of static depths, medians: +0.7 ms from depth 1 to 2, +2.4 ms from 2 to 3), so the fit's curve between the shapes it saw missed
     depth 2 by ~1 ms and the plan drafted deeper than the best static depth. Held, each depth's shape comes twice
     per pass of the cycle."""
     cycle = [x for pair in zip(range(max_depth, -1, -1), range(max_depth + 1)) for x in pair]

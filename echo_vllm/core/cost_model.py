@@ -95,11 +95,11 @@ def _knots_for(max_tokens: float) -> list[float]:
     """1, 2, 3, 4, 6, 8, 12, 16, 24, ... up to a power of two past `max_tokens`: neighbours at most 1.5x apart.
 
     Why not powers of two alone: the depth plan prices each depth at its steady shape N = B (1 + d), and the step
-    cost on the testbed's CPU is not smooth in N (batch 4, static depths, medians: +0.7 ms from N = 8 to 12,
-    +2.4 ms from 12 to 16, in the target forward and in vLLM's draft loop, whose first pass reads the same rows). Between knots 8 and 16 the curve is one
-    line, so depth 2 (N = 12) was priced at the mean of its neighbours, ~0.7 ms above its steps; a knot at 12 can
-    follow them. Knots without samples follow their neighbours' line (`_slope_changes`), so the extra knots cost
-    nothing where there is no data."""
+    cost on the testbed's CPU is not smooth in N (batch 4, static depths, medians: +0.7 ms from N = 8 to 12, +2.4 ms
+    from 12 to 16, in the target forward and in vLLM's draft loop, whose first pass reads the same rows). Between
+    knots 8 and 16 the curve is one line, so depth 2 (N = 12) was priced at the mean of its neighbours, ~0.7 ms
+    above its steps; a knot at 12 can follow them. Knots without samples follow their neighbours' line
+    (`_slope_changes`), so the extra knots cost nothing where there is no data."""
     top = max(1, min(MAX_KNOT_EXPONENT, math.ceil(math.log2(max(1.0, max_tokens))) + 1))
     return sorted([float(2**i) for i in range(top + 1)] + [float(3 * 2**i) for i in range(top - 1)])
 

@@ -68,13 +68,13 @@ def profile_step(index: int, max_depth: int) -> tuple[int, float]:
     candidate, the last a fraction from PROFILE_FRACTIONS (so the next depth starts from a partial step).
 
     Why held: a step's forward verifies what the step before it selected, so only a step that follows one of the
-    same depth verifying everything has the steady shape of that depth (N = B (1 + d) tokens, a d-deep drafter),
-    the shape the depth plan prices. A cycle that changed the depth and the fraction every step sampled those
-    shapes only by chance (batch 4 on the testbed: one step of 24 at depth 2's shape), and a step shape's first
-    step is no sample (`add_sample`); the step cost on the testbed's CPU is not smooth in N (batch 4, steady
-    steps of static depths, medians: +0.7 ms from depth 1 to 2, +2.4 ms from 2 to 3), so the fit's curve between the shapes it saw missed
-    depth 2 by ~1 ms and the plan drafted deeper than the best static depth. Held, each depth's shape comes twice
-    per pass of the cycle."""
+    same depth verifying everything has the steady shape of that depth (N = B (1 + d) tokens, a d-deep drafter), the
+    shape the depth plan prices. A cycle that changed the depth and the fraction every step sampled those shapes
+    only by chance (batch 4 on the testbed: one step of 24 at depth 2's shape), and a step shape's first step is no
+    sample (`add_sample`); the step cost on the testbed's CPU is not smooth in N (batch 4, steady steps of static
+    depths, medians: +0.7 ms from depth 1 to 2, +2.4 ms from 2 to 3), so the fit's curve between the shapes it saw
+    missed depth 2 by ~1 ms and the plan drafted deeper than the best static depth. Held, each depth's shape comes
+    twice per pass of the cycle."""
     cycle = [x for pair in zip(range(max_depth, -1, -1), range(max_depth + 1)) for x in pair]
     block, within = divmod(index, PROFILE_HOLD)
     fraction = 1.0 if within < PROFILE_HOLD - 1 else PROFILE_FRACTIONS[block % len(PROFILE_FRACTIONS)]

@@ -116,6 +116,10 @@ TORCH_LIBRARY(echo, m) {
       "Tensor depth_cap, Tensor truncated, Tensor predicted)");
   m.def("draft_argmax_logp(Tensor logits) -> (Tensor ids, Tensor logps)");
   m.def("draft_topk_logp(Tensor logits, int k) -> (Tensor ids, Tensor logps)");
+  // A verified chain step's feedback in one call (feedback_cpu.cpp; caller: echo_vllm.ops.chain).
+  m.def(
+      "chain_feedback(Tensor sampled, Tensor cur, Tensor old, Tensor verified, Tensor confidence, Tensor(a!) seen, "
+      "Tensor(b!) hits, int drafted, bool record_acceptance) -> (Tensor accepted, Tensor sums, Tensor levels)");
 }
 
 // ---- Python module stub: importing echo_vllm._C loads the library and runs the registrations above. ----

@@ -89,6 +89,10 @@ TIMED = [
     ("      record_verification", "echo_vllm.core.metrics", "EchoMetrics.record_verification"),
     ("      acceptance.record", "echo_vllm.core.acceptance", "AcceptanceModel.record"),
     ("      budget.observe_verif", "echo_vllm.core.time_budget", "TimeAwareBudget.observe_verification"),
+    ("      observe_chain(fused)", "echo_vllm.vllm.proposer", "EchoProposer._observe_chain"),
+    ("        chain_feedback(op)", "echo_vllm.vllm.proposer", "chain_feedback"),
+    ("        record_verif_sums", "echo_vllm.core.metrics", "EchoMetrics.record_verification_sums"),
+    ("        budget.observe_levels", "echo_vllm.core.time_budget", "TimeAwareBudget.observe_verification_levels"),
 ]
 
 _ACC: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])

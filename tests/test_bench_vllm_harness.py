@@ -115,7 +115,8 @@ def test_job_has_prefix_caching_off_full_batch_warmup_and_echo_stats(tmp_path):
     job_auto, env_auto = build_job(plan, auto, 4, tmp_path / "w", profile_key=True)
     assert job_auto["speculative_config"]["echo"]["k_max"] == "auto"
     assert job_auto["speculative_config"]["echo"]["budget_profile_file"] == str(tmp_path / "w" / "budget_profile.json")
-    assert env_auto == {"ECHO_VLLM_STEP_LOG": str(tmp_path / "w" / "steps.jsonl")}
+    # The step log, buffered to the end of each generate (no record encoded in the timed part).
+    assert env_auto == {"ECHO_VLLM_STEP_LOG": str(tmp_path / "w" / "steps.jsonl"), "ECHO_VLLM_STEP_LOG_FLUSH_S": "0"}
     assert job_auto["echo_stats"] is True
     # Same warm-up for every method of the run.
     job_nospec, _ = build_job(plan, nospec, 4, tmp_path / "w", profile_key=False)

@@ -163,6 +163,59 @@ def test_a_predicted_plain_step_counts_as_realised_zero():
     assert None not in proposer.budget.controller.value
 
 
+@pytest.mark.parametrize("sweep", ["", "warmup", "profile"])
+def test_fused_chain_feedback_equals_the_op_by_op_path(sweep):
+    """`_observe_chain` (echo::chain_feedback, one op) leaves the proposer's statistics, acceptance counts and
+    depth plan exactly where `_observe`'s op-by-op path does (taken here for int16 tokens, which the op skips),
+    over steps whose batch order changed, whose requests verified partly and whose rows finished."""
+    from echo_vllm.core.cost_model import CostModel
+    from echo_vllm.core.metrics import EchoMetrics
+    from echo_vllm.core.time_budget import TimeAwareBudget
+    from echo_vllm.vllm.proposer import EchoProposer, PendingVerification
+
+    def proposer_state():
+        proposer = object.__new__(EchoProposer)
+        proposer.stats, proposer._step_log, proposer.max_depth = EchoMetrics(DEPTH), "log", DEPTH
+        proposer.calibration, proposer.echo_settings = object(), types.SimpleNamespace(warmup_steps=0)
+        proposer.tree_accepted, proposer._scratch_table = None, None
+        proposer.budget = TimeAwareBudget(
+            DEPTH, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None, plain_hindsight=True
+        )
+        proposer.budget.cost_model = CostModel(
+            (1.0, 2.0, 4.0, 8.0, 16.0), (1.0, 1.1, 1.3, 1.6, 2.4), 0.0, (0.0, 0.0, 0.1, 0.0), 0.0, 4
+        )
+        return proposer
+
+    gen = torch.Generator().manual_seed(7)
+    fused, op_by_op = proposer_state(), proposer_state()
+    for step in range(12):
+        batch = 3 + step % 4
+        ids = [f"r{i}" for i in range(batch)]
+        now = ids[::-1] if step % 3 == 0 else ids  # the next step's batch order may differ
+        drafted = 1 + step % DEPTH
+        confidence = torch.zeros(batch, DEPTH)
+        confidence[:, :drafted] = torch.rand(batch, drafted, generator=gen)
+        num_draft = torch.randint(0, drafted + 1, (batch,), generator=gen).tolist()
+        if step % 2:  # every request verified to the drafted depth: a warm-up step's levels count
+            num_draft = [drafted] * batch
+        emitted = torch.randint(0, drafted + 2, (batch,), generator=gen)
+        tokens = torch.randint(0, 100, (batch, DEPTH + 1), generator=gen)
+        sampled = torch.where(torch.arange(DEPTH + 1) < emitted.unsqueeze(1), tokens, torch.full_like(tokens, -1))
+        metadata = types.SimpleNamespace(num_draft_tokens=num_draft)
+        for proposer, dtype in ((fused, torch.int32), (op_by_op, torch.int16)):
+            proposer.stats.record_plan(drafted, torch.ones((), dtype=torch.float64))
+            # Sweep steps' selections are the sweep's, not predicted by the budget.
+            proposer._pending = PendingVerification(ids, confidence.clone(), not sweep, drafted, sweep=sweep)
+            proposer._observe(now, sampled.to(dtype), metadata)
+        assert fused._last_accepted == op_by_op._last_accepted
+    assert fused.stats.summary() == op_by_op.stats.summary()
+    assert torch.equal(fused.budget.acceptance.seen, op_by_op.budget.acceptance.seen)
+    assert torch.equal(fused.budget.acceptance.accepted, op_by_op.budget.acceptance.accepted)
+    assert fused.budget.controller.value == op_by_op.budget.controller.value
+    assert fused.budget._tried == op_by_op.budget._tried and fused.budget._passed == op_by_op.budget._passed
+    assert fused.budget.acceptance.seen.sum() > 0 and fused.stats.verify_steps == 12  # not vacuous
+
+
 def test_a_planned_plain_step_feeds_the_depth_plan():
     """A step planned plain drafts nothing and leaves nothing pending, so its hindsight is taken at selection; only
     in the auto phase (warm-up and profile steps follow their own sweeps)."""

@@ -38,6 +38,14 @@ def test_echo_drafter_call_reads_and_resets_the_proposer():
         offline._echo_drafter_call(_worker(drafter), "bogus")
 
 
+def test_echo_drafter_call_flushes_the_step_log():
+    flushed = []
+    drafter = SimpleNamespace(echo_stats=dict, flush_step_log=lambda: flushed.append(1) or 7)
+    assert offline._echo_drafter_call(_worker(drafter), "flush_step_log") == 7 and flushed == [1]
+    # An ECHO drafter without a step log writer (older proposer): nothing to flush, no error.
+    assert offline._echo_drafter_call(_worker(SimpleNamespace(echo_stats=dict)), "flush_step_log") is None
+
+
 def test_echo_rpc_failure_is_a_reported_error():
     class Llm:
         def collective_rpc(self, fn, args=()):

@@ -32,6 +32,7 @@ from echo_vllm.bench.vllm_rows import add_eagle3_best, add_ratios, aggregate, me
 
 Runner = Callable[..., dict[str, Any]]
 STEP_LOG_ENV = "ECHO_VLLM_STEP_LOG"  # echo_vllm.vllm.proposer.STEP_LOG_ENV (not imported: it imports torch)
+STEP_LOG_FLUSH_ENV = "ECHO_VLLM_STEP_LOG_FLUSH_S"  # echo_vllm.vllm.step_log.FLUSH_SECONDS_ENV
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,9 @@ def build_job(
         if profile_key:  # per job: every round measures its own cost curve, none reuses another's
             spec["echo"]["budget_profile_file"] = str(work / "budget_profile.json")
         env[STEP_LOG_ENV] = str(work / "steps.jsonl")
+        # Buffered to the end of each generate (the offline runner flushes it): no record is encoded in the timed
+        # part, which no baseline pays for.
+        env[STEP_LOG_FLUSH_ENV] = "0"
     job = {
         "model": str(plan.testbed / "target"),
         "prompts": prompts,

@@ -43,6 +43,7 @@ Only rows with `active` True count (default: all rows). `totals()` gives the raw
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -227,6 +228,20 @@ class EchoMetrics:
         total = accepted.to(torch.float64).sum()
         self._realised = total if self._realised is None else self._realised + total
         self.realised_steps += 1
+
+    def record_verification_sums(self, sums: Sequence[float], realised: bool) -> None:
+        """A verified step's figures already summed on the host ([rows, emitted, accepted, verified, depth]:
+        `echo::chain_feedback`'s sums), as `record_verification` and, with `realised`, `record_realised` of its
+        accepted drafts would add them (host accumulators: CPU engines only)."""
+        self._on_host(torch.device("cpu"))
+        if not self._host:
+            raise RuntimeError("record_verification_sums needs the host accumulators (a CPU engine)")
+        self.verify_steps += 1
+        for slot, value in zip(range(5), sums):
+            self._ver_h[slot] += float(value)
+        if realised:
+            self._realised_h = (self._realised_h or 0.0) + float(sums[2])
+            self.realised_steps += 1
 
     def record_verification(
         self,

@@ -33,6 +33,7 @@ from .auto_budget import (
 )
 from .budget import BudgetSelection
 from .budget_profile import load_profile, save_profile
+from .chain_feedback import level_histograms
 from .cost_model import MAX_KNOTS, CostModel, StepSample, StepSamples, fit_cost_model, vector_length
 from .gating import Gates
 from .tree import DraftTree
@@ -103,14 +104,15 @@ def level_counts(
     Counted through two histograms - (reach, accepted) jointly and the node depths - so that the step costs a
     handful of tensor ops whatever R is, and the sums over the (drafted + 2)^2 table run in Python on the host (a
     tensor op on the CPU costs ~5-10 us inside the engine; the direct formulation took ~30 of them per step)."""
+    return level_counts_from_histograms(level_histograms(accepted, verified_depths, drafted).tolist(), drafted)
+
+
+def level_counts_from_histograms(
+    host: Sequence[int], drafted: int
+) -> tuple[list[int], list[int], list[int], list[int], int, int]:
+    """`level_counts` from its two histograms on the host (`level_histograms`, or `echo::chain_feedback`'s)."""
     n = drafted + 1
     size = n + 1  # values 0..drafted, and one bucket for anything deeper (never counted at a level <= drafted)
-    depths = verified_depths.long()
-    reach = depths.amax(dim=1) if depths.shape[1] else torch.zeros_like(accepted, dtype=torch.long)
-    acc = accepted.long().clamp(0, n)
-    joint = torch.bincount(reach.clamp(0, n) * size + acc, minlength=size * size)
-    nodes = torch.bincount(depths.reshape(-1).clamp(0, n), minlength=size)
-    host = torch.cat([joint, nodes]).tolist()
     table = [host[r * size : (r + 1) * size] for r in range(size)]  # table[reach][accepted]
     node_hist = host[size * size :]
     acc_hist = [sum(table[r][a] for r in range(size)) for a in range(size)]
@@ -297,14 +299,23 @@ class TimeAwareBudget:
         reached j - 1) (`_continuation_rates`, counted over every request-step that verified depth j). Without this the
         deeper levels were measured only by probes (one step in 16, an average over one noisy step each) and the
         plan sat at a shallow depth between probes (batch 1 on the testbed: 2.3 where depth 4 is best)."""
-        cost = self.cost_model
-        if cost is None or batch < 1:
+        if self.cost_model is None or batch < 1:
             return
         if drafted_depth < 1:
             return self.observe_plain(batch)
         drafted = min(drafted_depth, self.max_depth)
-        emitted_h, nodes_h, tried_h, passed_h, verified_to_end, accepted_to_end = level_counts(
-            accepted, verified_depths, drafted
+        self.observe_verification_levels(level_histograms(accepted, verified_depths, drafted).tolist(), batch, drafted)
+
+    def observe_verification_levels(self, histograms: Sequence[int], batch: int, drafted_depth: int) -> None:
+        """`observe_verification` from the step's level histograms on the host (`level_histograms` of its accepted
+        drafts and verified depths at min(drafted_depth, D), or `echo::chain_feedback`'s)."""
+        if self.cost_model is None or batch < 1:
+            return
+        if drafted_depth < 1:
+            return self.observe_plain(batch)
+        drafted = min(drafted_depth, self.max_depth)
+        emitted_h, nodes_h, tried_h, passed_h, verified_to_end, accepted_to_end = level_counts_from_histograms(
+            histograms, drafted
         )
         if nodes_h[drafted] == 0:  # drafted, but the budget verified nothing: a plain step
             return self.observe_plain(batch)
@@ -330,11 +341,22 @@ class TimeAwareBudget:
         if batch < 1 or drafted_depth < 1:
             return
         drafted = min(drafted_depth, self.max_depth)
-        emitted_h, nodes_h, tried_h, passed_h, verified_to_end, accepted_to_end = level_counts(
-            accepted, verified_depths, drafted
+        histograms = level_histograms(accepted, verified_depths, drafted).tolist()
+        self.observe_sweep_levels(histograms, batch, drafted, full=full, requests=accepted.shape[0])
+
+    def observe_sweep_levels(
+        self, histograms: Sequence[int], batch: int, drafted_depth: int, *, full: bool, requests: int
+    ) -> None:
+        """`observe_sweep` from the step's level histograms on the host (see `observe_verification_levels`);
+        requests: the verified requests of the step (R)."""
+        if batch < 1 or drafted_depth < 1:
+            return
+        drafted = min(drafted_depth, self.max_depth)
+        emitted_h, nodes_h, tried_h, passed_h, verified_to_end, accepted_to_end = level_counts_from_histograms(
+            histograms, drafted
         )
         self._count_continuation(tried_h, passed_h)
-        if not full or nodes_h[drafted] == 0 or verified_to_end < accepted.shape[0]:
+        if not full or nodes_h[drafted] == 0 or verified_to_end < requests:
             return  # a request cut short (e.g. by the scheduler's token budget) would cap the deeper levels
         if self.cost_model is None:
             self._seed_levels.append((batch, emitted_h, nodes_h, verified_to_end, accepted_to_end))

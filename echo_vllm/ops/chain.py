@@ -6,7 +6,9 @@
 * `draft_argmax_logp`: a draft step's argmax token and its log-prob; twin: `draft_argmax_logp_reference`
   (max + logsumexp: the same token, the log-prob to float rounding);
 * `draft_topk_logp`: a tree draft step's top-k tokens and their log-probs; twin: `draft_topk_logp_reference`
-  (`topk_stable` + logsumexp: the same tokens in the same order, the log-probs to float rounding).
+  (`topk_stable` + logsumexp: the same tokens in the same order, the log-probs to float rounding);
+* `chain_feedback` (csrc/feedback_cpu.cpp): a verified chain step's feedback; twin:
+  `echo_vllm.core.chain_feedback.chain_feedback_reference` (exactly: counts and float64 sums of counts).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from echo_vllm import ops as _ops
+from echo_vllm.core.chain_feedback import ChainFeedback, chain_feedback_reference
 from echo_vllm.core.chain_select import ChainInputs, ChainSelection, chain_select_reference
 from echo_vllm.core.tree import topk_stable
 
@@ -21,6 +24,7 @@ TORCH_PATH_ENV = "ECHO_VLLM_CHAIN_TORCH"
 _NO_TABLE = torch.empty(0, dtype=torch.float32)
 _DEFINED = _ops.ops_defined("chain_select", "draft_argmax_logp")
 _TOPK_DEFINED = _ops.ops_defined("draft_topk_logp")  # newer than the chain ops: an older build has those only
+_FEEDBACK_DEFINED = _ops.ops_defined("chain_feedback")  # newer still
 _GATE = _ops.CpuOpsGate(
     TORCH_PATH_ENV, "ECHO chain steps: torch draft log-probs, gates and budget cut", "the chain ops"
 )
@@ -89,3 +93,24 @@ def draft_topk_logp(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
         return draft_topk_logp_reference(logits, k)
     ids, logps = torch.ops.echo.draft_topk_logp(logits, int(k))
     return ids, logps
+
+
+def chain_feedback(
+    sampled: torch.Tensor,
+    cur: torch.Tensor,
+    old: torch.Tensor,
+    verified: torch.Tensor,
+    confidence: torch.Tensor,
+    seen: torch.Tensor,
+    hits: torch.Tensor,
+    *,
+    drafted: int,
+    record_acceptance: bool,
+) -> ChainFeedback:
+    """A verified chain step's feedback (see `chain_feedback_reference`): one op call on CPU."""
+    if not (_GATE.serves(confidence.device, _DEFINED) and _FEEDBACK_DEFINED):
+        return chain_feedback_reference(sampled, cur, old, verified, confidence, seen, hits, drafted, record_acceptance)
+    accepted, sums, levels = torch.ops.echo.chain_feedback(
+        sampled, cur, old, verified, confidence, seen, hits, int(drafted), bool(record_acceptance)
+    )
+    return ChainFeedback(accepted, sums, levels)

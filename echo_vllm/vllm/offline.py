@@ -73,7 +73,8 @@ def _counters(llm) -> dict[str, float]:
 
 
 def _echo_drafter_call(worker, action: str) -> Any:
-    """Runs on the worker (`LLM.collective_rpc`): ECHO's proposer statistics, or a reset of them.
+    """Runs on the worker (`LLM.collective_rpc`): ECHO's proposer statistics, a reset of them, or a flush of its
+    step log.
 
     Module-level so that a multiprocess executor can pickle it; the in-process uni executor calls it directly.
     None when the drafter is not an EchoProposer (no echo job, or ECHO not installed in this worker).
@@ -83,6 +84,8 @@ def _echo_drafter_call(worker, action: str) -> Any:
         return None
     if action == "stats":
         return drafter.echo_stats()
+    if action == "flush_step_log":  # the buffered ECHO_VLLM_STEP_LOG records, written now (`step_log`)
+        return drafter.flush_step_log() if hasattr(drafter, "flush_step_log") else None
     if action == "reset":
         # A proposer that owns more accumulators than EchoMetrics resets them all through reset_echo_stats.
         if hasattr(drafter, "reset_echo_stats"):
@@ -147,11 +150,17 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         structured_outputs=_structured(job),
     )
     # "echo_stats": true asks an echo job for the proposer's statistics (an rpc into the worker, so opt-in).
-    echo_stats_wanted = bool(job.get("echo_stats")) and (job.get("speculative_config") or {}).get("method") == "echo"
+    is_echo = (job.get("speculative_config") or {}).get("method") == "echo"
+    echo_stats_wanted = bool(job.get("echo_stats")) and is_echo
     warmup = _warm_up(llm, job, params)
     if warmup is not None and echo_stats_wanted:
         warmup["echo_stats"] = _echo_rpc(llm, "stats")  # its "calibration" says whether the gates are in place
         warmup["echo_reset"] = _echo_rpc(llm, "reset")
+    # The step log is buffered in the workers (echo_vllm.vllm.step_log): written out before its size marks where the
+    # timed part starts, and after the timed generate (a benchmark's timed part encodes no records).
+    flush_step_log = is_echo and bool(os.environ.get("ECHO_VLLM_STEP_LOG"))
+    if flush_step_log:
+        _echo_rpc(llm, "flush_step_log")
     step_log_offset = _step_log_size()
     before = _counters(llm)
     started = time.time()
@@ -165,6 +174,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     else:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     generate_seconds = time.time() - started
+    if flush_step_log:
+        _echo_rpc(llm, "flush_step_log")
     after = _counters(llm)
     counts = {key: after[key] - before[key] for key in after}
     drafts, draft_tokens, accepted = counts["num_drafts"], counts["num_draft_tokens"], counts["num_accepted_tokens"]

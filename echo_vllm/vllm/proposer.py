@@ -29,8 +29,7 @@ gates and selects identically.
 
 from __future__ import annotations
 
-import hashlib
-import json
+import functools
 import logging
 import os
 import time
@@ -53,12 +52,19 @@ from echo_vllm.core.tree import DraftTree
 from echo_vllm.core.tree_order import SpineFirstOrder, spine_first_order, spine_hindsight, spine_sibling_tree
 from echo_vllm.core.width_schedule import WidthSchedule
 from echo_vllm.ops import select_budget
-from echo_vllm.ops.chain import chain_select, compiled_chain_select, draft_argmax_logp, draft_topk_logp
+from echo_vllm.ops.chain import (
+    chain_feedback,
+    chain_select,
+    compiled_chain_select,
+    draft_argmax_logp,
+    draft_topk_logp,
+)
 from echo_vllm.vllm import instance_attrs, prom_metrics
 from echo_vllm.vllm import spec as echo_spec
 from echo_vllm.vllm.deferred_head import DeferredHeadRows, HeadRows, request_of_rows, valid_rows
 from echo_vllm.vllm.faults import guard_from_env
 from echo_vllm.vllm.stats_log import format_startup_line, format_stats_line
+from echo_vllm.vllm.step_log import StepLogWriter, StepRecord
 from echo_vllm.vllm.tp_share import broadcast_from_rank0
 from echo_vllm.vllm.tree_adversary import adversary_from_env
 from echo_vllm.vllm.tree_state import TreePlan
@@ -128,6 +134,16 @@ def _tp_rank() -> int:
         return int(get_tensor_model_parallel_rank())
     except Exception:  # noqa: BLE001 - not initialized (tests)
         return 0
+
+
+def _model_step_ms(cost: Any, batch: int, max_depth: int, plain_head_s: float) -> list[float]:
+    """The cost model's step at `batch` with every draft of depth d = 0..D verified, in ms (the step log's
+    "model_ms"; `cost` is the fit of that step: refits replace the model, never change it)."""
+    return [
+        round(1e3 * (cost.rest_at(batch * (1 + d), batch) + cost.verify_at(batch, batch * d)
+                     + cost.draft_seconds(batch, d) + (plain_head_s if d == 0 else 0.0)), 2)
+        for d in range(max_depth + 1)
+    ]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -233,7 +249,8 @@ class EchoProposer(EagleProposer):
         self._probe_rows: torch.Tensor | None = None  # this step's partially probed rows (probe_requests)
         self._probes_done = 0
         self._step_log = (os.environ.get(STEP_LOG_ENV) or "").replace("{rank}", str(self.tp_rank)) or None
-        self._step_log_file: Any = None
+        self._step_log_file: StepLogWriter | None = None
+        self._scratch_table: tuple[torch.Tensor, torch.Tensor] | None = None  # `_no_acceptance_table`
         self._log_interval = float(os.environ.get(LOG_INTERVAL_ENV, "10"))
         self._last_log = time.monotonic()
         self.prom = prom_metrics.exporter_for(self, vllm_config)  # ECHO's /metrics series (a no-op off rank 0)
@@ -972,6 +989,17 @@ class EchoProposer(EagleProposer):
                     self._observe_plain_step(len(pending.req_ids))
             return
         cur, old, verified = rows
+        if (
+            pending.listed is None
+            and self.calibration is not None
+            and isinstance(sampled_token_ids, torch.Tensor)
+            and sampled_token_ids.dtype in (torch.int32, torch.int64)
+            and pending.confidence.dtype == torch.float32
+            and device.type == "cpu"
+            and sampled_token_ids.device.type == "cpu"
+        ):
+            self.tree_accepted = None  # as below: a tree step's acceptance is consumed by the step that made it
+            return self._observe_chain(pending, sampled_token_ids, cur, old, verified)
         if isinstance(sampled_token_ids, torch.Tensor):
             emitted = (sampled_token_ids[cur] != -1).sum(dim=1)
         else:
@@ -1027,6 +1055,45 @@ class EchoProposer(EagleProposer):
             self.warmup_recorded += 1
             if self.warmup_recorded >= self.echo_settings.warmup_steps:
                 self._finish_warmup()
+
+    def _observe_chain(
+        self,
+        pending: PendingVerification,
+        sampled: torch.Tensor,
+        cur: torch.Tensor,
+        old: torch.Tensor,
+        verified: torch.Tensor,
+    ) -> None:
+        """A calibrated chain step's feedback on CPU in one op (`echo::chain_feedback`): the same accepted drafts,
+        statistics, acceptance counts and depth-plan hindsight as the op-by-op path of `_observe`."""
+        budget = self.budget
+        drafted = min(pending.drafted_depth, self.max_depth)
+        acceptance = budget.acceptance if budget is not None else None
+        table = (acceptance.seen, acceptance.accepted) if acceptance is not None else self._no_acceptance_table()
+        feedback = chain_feedback(
+            sampled, cur, old, verified, pending.confidence, *table,
+            drafted=drafted, record_acceptance=acceptance is not None,
+        )  # fmt: skip
+        self.stats.record_verification_sums(feedback.sums.tolist(), realised=pending.predicted)
+        if self._step_log:
+            self._last_accepted = feedback.accepted.tolist()
+        if budget is None:
+            return
+        levels = feedback.levels.tolist()
+        if pending.predicted and pending.feeds_plan:
+            budget.observe_verification_levels(levels, len(pending.req_ids), pending.drafted_depth)
+        elif pending.sweep:
+            budget.observe_sweep_levels(
+                levels, len(pending.req_ids), pending.drafted_depth, full=pending.sweep == "warmup",
+                requests=int(cur.numel()),
+            )  # fmt: skip
+
+    def _no_acceptance_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scratch counts for `chain_feedback` without a time-aware budget (an integer k_max: no acceptance model)."""
+        if self._scratch_table is None:
+            shape = (self.max_depth, 1)
+            self._scratch_table = (torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64))
+        return self._scratch_table
 
     def _sweep_phase(self) -> str:
         """This step's sweep ("warmup" or "profile": the time-aware budget's, not the plan's selection), else ""."""
@@ -1132,12 +1199,10 @@ class EchoProposer(EagleProposer):
             logger.info("%s", format_stats_line(self.echo_stats()))
 
     def _write_step_log(self, counts: list[int], batch: int, ragged: list[list[int]]) -> None:
-        """One JSON line per step (ECHO_VLLM_STEP_LOG): budget evidence for tests, the oracle bound's input."""
+        """One JSON line per step (ECHO_VLLM_STEP_LOG): budget evidence for tests, the oracle bound's input. Raw
+        values only here; `StepLogWriter` encodes them at its next flush (`echo_vllm.vllm.step_log`)."""
         assert self._step_log is not None
-        # The selection hash covers every request's chosen draft tokens: equal hashes on every TP rank in every
-        # step mean the ranks made the same budget decision (vLLM uses only the output rank's lists).
-        selection_hash = hashlib.sha1(json.dumps(ragged).encode()).hexdigest()[:16]
-        record: dict[str, Any] = {
+        fields: dict[str, Any] = {
             "step": self.stats.steps,
             "rank": self.tp_rank,
             "k_max": self.k_max if self.k_max is not None else "auto",
@@ -1146,7 +1211,6 @@ class EchoProposer(EagleProposer):
             "sum": sum(counts),
             "batch": batch,
             "counts": counts,
-            "selection_hash": selection_hash,
             "calibrated": self.calibration is not None,
             "draft_depth": self._plan.depth,  # planned
             "probe": self._plan.probe,  # a probe step: every draft verified
@@ -1162,20 +1226,23 @@ class EchoProposer(EagleProposer):
             "policy": self._policy,  # "auto", or ECHO_VLLM_POLICY_BLOCKS' static:d of this step
             "probe_rows": 0 if self._probe_rows is None else int(self._probe_rows.sum()),  # a partial probe's rows
         }
+        rounded: dict[str, list[float | None]] = {}
+        model_ms = None
         if self.budget is not None:  # the depth plan's view: each depth's value, and what the last verified step added
             controller = self.budget.controller
-            record["depth_values"] = [None if v is None else round(v, 4) for v in controller.value]
-            record["level_rates"] = [round(v, 4) for v in controller.last_levels]
+            rounded = {"depth_values": controller.value, "level_rates": controller.last_levels}
             cost = self.budget.cost_model
             if cost is not None and batch > 0:  # the current fit's step at this batch, every draft of depth d verified
-                record["model_ms"] = [
-                    round(1e3 * (cost.rest_at(batch * (1 + d), batch) + cost.verify_at(batch, batch * d)
-                                 + cost.draft_seconds(batch, d) + (self.budget.plain_head_seconds(batch) if d == 0 else 0)), 2)
-                    for d in range(self.max_depth + 1)
-                ]  # fmt: skip
-        if self._step_log_file is None:  # kept open, line-buffered: a write per step, no open/close
-            self._step_log_file = open(self._step_log, "a", buffering=1)  # lives as long as the proposer
-        self._step_log_file.write(json.dumps(record) + "\n")
+                model_ms = functools.partial(
+                    _model_step_ms, cost, batch, self.max_depth, self.budget.plain_head_seconds(batch)
+                )
+        if self._step_log_file is None:
+            self._step_log_file = StepLogWriter(self._step_log)  # lives as long as the proposer
+        self._step_log_file.append(StepRecord(fields, tuple(map(tuple, ragged)), rounded, model_ms))
+
+    def flush_step_log(self) -> int:
+        """Write the buffered step-log records now (the offline runner's rpc); returns how many."""
+        return self._step_log_file.flush() if self._step_log_file is not None else 0
 
     def echo_stats(self) -> dict[str, Any]:
         """The statistics as a dict (one host sync): EchoMetrics' figures, calibration and faults."""

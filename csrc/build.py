@@ -15,7 +15,13 @@ import os
 import shutil
 from pathlib import Path
 
-CPU_SOURCES = ("csrc/ops.cpp", "csrc/budget_cpu.cpp", "csrc/tree_cpu.cpp", "csrc/chain_cpu.cpp", "csrc/feedback_cpu.cpp")
+CPU_SOURCES = (
+    "csrc/ops.cpp",
+    "csrc/budget_cpu.cpp",
+    "csrc/tree_cpu.cpp",
+    "csrc/chain_cpu.cpp",
+    "csrc/feedback_cpu.cpp",
+)
 CUDA_SOURCES = ("csrc/budget_cuda.cu", "csrc/budget_cuda_binding.cpp")
 MODULE_NAME = "echo_vllm._C"
 

@@ -33,6 +33,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -1226,7 +1227,7 @@ class EchoProposer(EagleProposer):
             "policy": self._policy,  # "auto", or ECHO_VLLM_POLICY_BLOCKS' static:d of this step
             "probe_rows": 0 if self._probe_rows is None else int(self._probe_rows.sum()),  # a partial probe's rows
         }
-        rounded: dict[str, list[float | None]] = {}
+        rounded: dict[str, Sequence[float | None]] = {}
         model_ms = None
         if self.budget is not None:  # the depth plan's view: each depth's value, and what the last verified step added
             controller = self.budget.controller

@@ -20,7 +20,7 @@ import json
 import os
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 FLUSH_SECONDS_ENV = "ECHO_VLLM_STEP_LOG_FLUSH_S"  # seconds between flushes by time; 0 = none (benchmarks)
@@ -35,7 +35,7 @@ class StepRecord(NamedTuple):
 
     fields: dict[str, Any]
     ragged: tuple[tuple[int, ...], ...]
-    rounded: dict[str, list[float | None]]
+    rounded: dict[str, Sequence[float | None]]
     model_ms: Callable[[], list[float]] | None
 
 

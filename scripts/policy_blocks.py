@@ -30,7 +30,7 @@ def step_kind(line: dict) -> str:
     return "plain" if depth == 0 else f"d{depth}"
 
 
-def decode_steps(lines: list[dict]) -> list[tuple[str, int, float, float, str]]:
+def decode_steps(lines: list[dict], with_prompts: bool = False) -> list[tuple[str, int, float, float, str]]:
     """(policy, block, emitted tokens, seconds, step kind) per full-batch decode step, attributed to the previous
     line."""
     auto = [r for r in lines if r.get("phase") == "auto"]
@@ -47,7 +47,7 @@ def decode_steps(lines: list[dict]) -> list[tuple[str, int, float, float, str]]:
             block, last_policy = block + 1, policy
         if line["batch"] != full or prev["batch"] != full or line["rest_s"] is None or line["draft_s"] is None:
             continue
-        if line["num_tokens"] != line["batch"] + line["verified_in_forward"]:
+        if not with_prompts and line["num_tokens"] != line["batch"] + line["verified_in_forward"]:
             continue  # prompt tokens in this forward
         emitted = line["batch"] + sum(line["accepted"] or [])
         out.append((policy, block, float(emitted), float(line["rest_s"]) + float(line["draft_s"]), step_kind(prev)))
@@ -60,12 +60,18 @@ def main() -> None:
     parser.add_argument(
         "--kinds", action="store_true", help="also split each policy's steps by kind: plain, d<depth>, probe"
     )
+    parser.add_argument(
+        "--with-prompts",
+        action="store_true",
+        help="also count full-batch steps whose forward carried prompt tokens (under continuous admission at large "
+        "batch most steps do; each such step counted as emitting batch + accepted tokens)",
+    )
     args = parser.parse_args()
     rows = []
     kinds: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0, 0.0]))
     for path in args.step_logs:
         lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-        for p, b, e, s, kind in decode_steps(lines):
+        for p, b, e, s, kind in decode_steps(lines, args.with_prompts):
             rows.append((p, f"{path}:{b}", e, s))
             acc = kinds[p][kind]
             acc[0], acc[1], acc[2] = acc[0] + 1, acc[1] + e, acc[2] + s

@@ -250,7 +250,7 @@ class EchoProposer(EagleProposer):
         self._probe_rows: torch.Tensor | None = None  # this step's partially probed rows (probe_requests)
         self._probes_done = 0
         self._step_log = (os.environ.get(STEP_LOG_ENV) or "").replace("{rank}", str(self.tp_rank)) or None
-        self._step_log_file: StepLogWriter | None = None
+        self._step_log_writer: StepLogWriter | None = None
         self._scratch_table: tuple[torch.Tensor, torch.Tensor] | None = None  # `_no_acceptance_table`
         self._log_interval = float(os.environ.get(LOG_INTERVAL_ENV, "10"))
         self._last_log = time.monotonic()
@@ -1237,13 +1237,13 @@ class EchoProposer(EagleProposer):
                 model_ms = functools.partial(
                     _model_step_ms, cost, batch, self.max_depth, self.budget.plain_head_seconds(batch)
                 )
-        if self._step_log_file is None:
-            self._step_log_file = StepLogWriter(self._step_log)  # lives as long as the proposer
-        self._step_log_file.append(StepRecord(fields, tuple(map(tuple, ragged)), rounded, model_ms))
+        if self._step_log_writer is None:
+            self._step_log_writer = StepLogWriter(self._step_log)  # lives as long as the proposer
+        self._step_log_writer.append(StepRecord(fields, tuple(map(tuple, ragged)), rounded, model_ms))
 
     def flush_step_log(self) -> int:
         """Write the buffered step-log records now (the offline runner's rpc); returns how many."""
-        return self._step_log_file.flush() if self._step_log_file is not None else 0
+        return self._step_log_writer.flush() if self._step_log_writer is not None else 0
 
     def echo_stats(self) -> dict[str, Any]:
         """The statistics as a dict (one host sync): EchoMetrics' figures, calibration and faults."""

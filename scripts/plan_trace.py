@@ -1,0 +1,108 @@
+"""What the depth plan did over a job, from ECHO's step log: the plan step by step, and where the time went.
+
+    PYTHONPATH=. python scripts/profile_tree_step.py --methods echo-auto --batch-sizes 64 --limit 256 \\
+        --max-tokens 64 --work DIR
+    python scripts/plan_trace.py --last 182 DIR/echo-auto-64-0/steps.jsonl
+
+--last N keeps the last N lines (the timed generate: profile_tree_step prints its step count; the log also holds
+the warm-up generate). Attribution as in scripts/policy_blocks.py: line t carries the proposer time of step t - 1
+(`draft_s`), the time outside the proposer of step t (`rest_s`: its forward verifying step t - 1's selection) and
+what that forward accepted, so all three belong to line t - 1's decision. Prints:
+
+- the plan as one character per step ("0"-"9" the drafted depth, "P" a probe), with the batch size every 16
+  steps: a plan that swings between plain decoding and deep drafts shows at a glance;
+- per decision kind (plain, d1.., probe): steps, share of the job's time, emitted tokens per step and tokens/s,
+  over every step (prompt rows and the drain included: what the job paid);
+- per kind, the full-batch decode steps only (no prompt rows): their median measured ms and the cost model's
+  price of that step ("model_ms" of line t - 1 at the drafted depth, every draft verified), so a mispriced depth
+  shows beside its measured steps.
+
+Reporting only; plain Python, no vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import Counter, defaultdict
+from pathlib import Path
+
+
+def kind_of(line: dict) -> str:
+    """ "probe", "plain" or "d<drafted depth>" (as scripts/policy_blocks.py counts them)."""
+    if line.get("probe") or line.get("probe_rows", 0):
+        return "probe"
+    depth = line.get("drafted_depth", line.get("draft_depth", 0))
+    return "plain" if depth == 0 else f"d{depth}"
+
+
+def plan_string(lines: list[dict]) -> str:
+    return "".join("P" if kind_of(r) == "probe" else str(min(9, r.get("drafted_depth", 0))) for r in lines)
+
+
+def attributed_steps(lines: list[dict]) -> list[dict]:
+    """One entry per decision (line t - 1) with the step it paid for (line t): kind, batch, seconds, emitted
+    tokens, whether the forward carried prompt rows, and the cost model's price at the drafted depth."""
+    out = []
+    for before, after in zip(lines, lines[1:]):
+        batch = before["batch"]
+        prompt_rows = after["num_tokens"] - after["batch"] - after.get("verified_in_forward", 0)
+        model = before.get("model_ms")
+        depth = before.get("drafted_depth", 0)
+        out.append({
+            "kind": kind_of(before),
+            "batch": batch,
+            "seconds": after["draft_s"] + after["rest_s"],
+            "emitted": float(after["batch"] + sum(after.get("accepted") or [])),
+            "prompt": prompt_rows > 0,
+            "full_decode": prompt_rows <= 0 and after["batch"] == batch,
+            "model_ms": model[min(depth, len(model) - 1)] if model else None,
+        })  # fmt: skip
+    return out
+
+
+def summarise(steps: list[dict]) -> dict[str, dict]:
+    total = sum(s["seconds"] for s in steps) or 1.0
+    full = Counter(s["batch"] for s in steps).most_common(1)[0][0] if steps else 0
+    by_kind: dict[str, list[dict]] = defaultdict(list)
+    for s in steps:
+        by_kind[s["kind"]].append(s)
+    table = {}
+    for kind, rows in sorted(by_kind.items()):
+        seconds = sum(r["seconds"] for r in rows)
+        emitted = sum(r["emitted"] for r in rows)
+        decode = [r for r in rows if r["full_decode"] and r["batch"] == full]
+        priced = [r["model_ms"] for r in decode if r["model_ms"] is not None]
+        table[kind] = {
+            "steps": len(rows),
+            "time_share": round(seconds / total, 3),
+            "tokens_per_step": round(emitted / len(rows), 2),
+            "tokens_per_s": round(emitted / seconds, 1) if seconds > 0 else None,
+            "full_decode_steps": len(decode),
+            "full_decode_ms": round(1e3 * statistics.median(r["seconds"] for r in decode), 2) if decode else None,
+            "model_ms": round(statistics.median(priced), 2) if priced else None,
+        }
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("step_log", type=Path)
+    parser.add_argument("--last", type=int, default=0, help="keep the last N lines (0: every auto-phase line)")
+    args = parser.parse_args()
+    lines = [json.loads(x) for x in args.step_log.read_text().splitlines() if x.strip()]
+    lines = lines[-args.last :] if args.last > 0 else [r for r in lines if r.get("phase") == "auto"]
+    plan = plan_string(lines)
+    for start in range(0, len(plan), 64):
+        batches = " ".join(f"{r['batch']:>3}" for r in lines[start : start + 64 : 16])
+        print(f"{start:>5} {plan[start : start + 64]:<64}  batch every 16: {batches}")
+    steps = attributed_steps(lines)
+    print(f"{len(steps)} steps, {sum(s['seconds'] for s in steps):.2f} s, "
+          f"{sum(s['emitted'] for s in steps) / max(1e-9, sum(s['seconds'] for s in steps)):.1f} tok/s")  # fmt: skip
+    for kind, row in summarise(steps).items():
+        print(f"  {kind:<6} {json.dumps(row)}")
+
+
+if __name__ == "__main__":
+    main()

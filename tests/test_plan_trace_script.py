@@ -1,0 +1,44 @@
+"""scripts/plan_trace.py: each step's time and tokens go to the decision that caused them (the previous line)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "plan_trace.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("plan_trace", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module
+
+
+def _line(depth, num_tokens, verified, accepted, rest, draft, probe=False, model=None):
+    return {
+        "phase": "auto", "batch": 2, "drafted_depth": depth, "probe": probe, "num_tokens": num_tokens,
+        "verified_in_forward": verified, "accepted": accepted, "rest_s": rest, "draft_s": draft,
+        "model_ms": model,
+    }  # fmt: skip
+
+
+def test_steps_are_attributed_to_the_previous_decision():
+    trace = _module()
+    lines = [
+        _line(0, 2, 0, [], 0.010, 0.001, model=[9.0, 12.0, 15.0]),  # plain decision
+        _line(2, 2, 0, [], 0.011, 0.002, model=[9.0, 12.0, 15.0]),  # plain step paid: 0.011 + 0.002; d2 decision
+        _line(1, 6, 4, [2, 1], 0.020, 0.005, probe=True, model=[9.0, 12.0, 15.0]),  # d2 paid; a probe decision
+        _line(0, 40, 2, [1, 0], 0.050, 0.003),  # the probe's step, with 34 prompt rows
+    ]
+    assert trace.plan_string(lines) == "02P0"
+    steps = trace.attributed_steps(lines)
+    assert [s["kind"] for s in steps] == ["plain", "d2", "probe"]
+    assert [round(s["seconds"], 3) for s in steps] == [0.013, 0.025, 0.053]
+    assert [s["emitted"] for s in steps] == [2.0, 5.0, 3.0]
+    assert [s["full_decode"] for s in steps] == [True, True, False]
+    table = trace.summarise(steps)
+    assert table["d2"]["full_decode_ms"] == 25.0 and table["d2"]["model_ms"] == 15.0  # priced at the drafted depth
+    assert table["probe"]["full_decode_steps"] == 0 and table["probe"]["tokens_per_step"] == 3.0
+    assert abs(sum(row["time_share"] for row in table.values()) - 1.0) < 0.01

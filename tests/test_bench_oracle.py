@@ -10,10 +10,13 @@ from echo_vllm.bench.oracle import oracle_bound, oracle_for_run, read_step_log
 
 
 class LinearCost:
-    """1 ms per step + 0.5 ms per token + 2 ms per draft depth (the batch term makes batch visible)."""
+    """1 ms per step + 0.5 ms per token + 2 ms per draft depth (the batch term makes batch visible) + 0.01 ms per
+    cached context token."""
 
-    def step_seconds(self, num_tokens: float, batch: int, draft_depth: int, verified: float = 0) -> float:
-        return 1e-3 * (1.0 + 0.5 * num_tokens + 0.1 * batch + 2.0 * draft_depth)
+    def step_seconds(
+        self, num_tokens: float, batch: int, draft_depth: int, verified: float = 0, context: float = 0.0
+    ) -> float:
+        return 1e-3 * (1.0 + 0.5 * num_tokens + 0.1 * batch + 2.0 * draft_depth + 0.01 * context)
 
 
 def _step(batch, num_tokens, draft_depth, accepted, **extra):
@@ -32,6 +35,18 @@ def test_oracle_is_the_cost_of_verifying_only_what_was_accepted():
     assert bound.steps == 2 and bound.reason is None
     assert bound.oracle_seconds == pytest.approx(oracle) and bound.policy_seconds == pytest.approx(policy)
     assert bound.ratio == pytest.approx(oracle / policy) and bound.ratio < 1
+
+
+def test_a_steps_context_costs_the_oracle_what_it_costs_the_policy():
+    # The cached context is read whatever the step verifies: both times carry it, step by step.
+    steps = [_step(2, 2 + 8, 4, [1, 3], context_tokens=600), _step(2, 2 + 2, 1, [0, 0], context_tokens=0)]
+    cost = LinearCost()
+    bound = oracle_bound(steps, cost)
+    oracle = cost.step_seconds(2 + 4, 2, 3, 4, 600) + cost.step_seconds(2 + 0, 2, 0)
+    policy = cost.step_seconds(10, 2, 4, 2, 600) + cost.step_seconds(4, 2, 1, 2)
+    assert bound.oracle_seconds == pytest.approx(oracle) and bound.policy_seconds == pytest.approx(policy)
+    without = oracle_bound([{k: v for k, v in s.items() if k != "context_tokens"} for s in steps], cost)
+    assert without.ratio < bound.ratio < 1  # a cost both pay moves the bound towards 1
 
 
 def test_a_policy_that_verifies_exactly_the_accepted_tokens_is_the_oracle():

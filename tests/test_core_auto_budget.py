@@ -641,6 +641,36 @@ def test_the_jump_of_verifying_at_all_is_charged_once_to_every_cut_that_verifies
     assert budget.controller.value == pytest.approx([1.0, 2 / 2.0, 2 / 2.0, 2 / 2.0])
 
 
+def test_the_steps_context_is_priced_in_the_selection_and_in_hindsight():
+    """The cost model's context term (k x the cached tokens of the step's requests, `set_step_context`) is a cost
+    every cut pays: a long context makes the step dear whatever it verifies, so drafts that do not pay at a short
+    context pay at a long one (tokens per second of the whole step), and the hindsight values depth at the
+    context of the forward that verified."""
+    from echo_vllm.core.auto_budget import DraftPlan
+    from echo_vllm.core.cost_model import CostModel
+    from echo_vllm.core.time_budget import TimeAwareBudget
+
+    cost = CostModel(
+        (1.0, 2.0, 4.0, 8.0), (1.0, 1.0, 1.0, 1.0), 0.0, (0.0, 0.0, 0.0, 0.0), 0.0, 4,
+        verify_terms=(2.0, 0.0), context_s=0.001,
+    )  # fmt: skip
+    budget = TimeAwareBudget(3, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None)
+    budget.cost_model = cost
+    budget.acceptance.table.fill_(0.5)
+    tree = _chains(torch.log(torch.tensor([[0.6, 0.6, 0.6]])))
+    plan = DraftPlan(3, 3, False)
+    for context, expected in ((0, [0]), (10_000, [3])):  # 1.5 likely tokens: not worth a 2 s jump on a 1 s step
+        budget.set_step_context(context)
+        rest, _ = budget.curves(1, 3, 3, 3, "cpu")
+        assert rest.tolist() == pytest.approx([1.0 + context / 1000] + [3.0 + context / 1000] * 3)
+        selection, _ = budget.select(tree, Gates.open(1, 3), 1, plan, False, depth=3, chain=True)
+        assert selection.counts.tolist() == expected
+    budget.cost_model = dataclasses.replace(cost, verify_terms=(1.0, 0.0))
+    budget.set_step_context(2_000)  # 2 s of context on every level: plain 1 / 3 s, a verifying level 2 / 4 s
+    budget.observe_verification(torch.tensor([1]), torch.tensor([[1, 2, 3]]), batch=1, drafted_depth=3)
+    assert budget.controller.value == pytest.approx([1.0, 1.5, 1.5, 1.5])
+
+
 def test_a_probe_verifies_every_draft_even_where_nothing_pays():
     """A probe is a measurement: cut by the budget (at least one draft per request, as before), the hindsight
     values of deeper depths were capped by the probe's own cut, so a plan that chose plain decoding saw every

@@ -118,7 +118,7 @@ def test_first_pass_cost_is_recovered_and_deep_drafts_are_not_overpriced():
     # The marginal depth costs a chained pass, not the first pass's share (the linear model's bias to shallow).
     assert model.draft_seconds(1, 4) - model.draft_seconds(1, 3) == pytest.approx(0.0006, rel=0.15)
     # Profiles written before the first-pass terms load as the linear model (zeros); the verify terms came after.
-    old_vector = model.to_vector()[:-4]
+    old_vector = model.to_vector()[:-6]  # less first-pass (2), verify (2), deferred (1) and context (1) terms
     assert CostModel.from_vector(old_vector).first_pass_terms == (0.0, 0.0)
 
 
@@ -197,7 +197,7 @@ def test_the_jump_of_verifying_at_all_is_recovered_and_small_budgets_are_not_und
     flat = dataclasses.replace(model, verify_terms=(0.0, 0.0))
     assert flat.step_seconds(9, 8, 0, verified=1) - flat.step_seconds(8, 8, 0) < 0.001
     # Vectors and profiles written before the verify terms load with zeros.
-    assert CostModel.from_vector(model.to_vector()[:-2]).verify_terms == (0.0, 0.0)
+    assert CostModel.from_vector(model.to_vector()[:-4]).verify_terms == (0.0, 0.0)  # less verify, h, k
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -334,3 +334,56 @@ def test_host_evaluation_matches_the_tensor_curve():
             assert model.rest_at(tokens, batch) == pytest.approx(want, rel=1e-12, abs=1e-15)
     for width in (0, 1, 9):
         assert model.tree_at(width) == pytest.approx(float(model.tree_seconds(torch.tensor(float(width)))))
+
+
+def _context_samples(k: float, n=400, seed=7, noise=0.03):
+    """Batch-64 decode steps at depths 0-3 whose requests' cached context wanders over 4k-20k tokens (requests
+    grow, finish and are replaced): rest = a curve in N + k x context."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        depth = rng.randint(0, 3)
+        tokens = 64 * (1 + depth)
+        context = rng.randint(4000, 20000)
+        rest = (0.030 + 0.0002 * tokens + (0.01 if depth else 0.0) + k * context) * rng.uniform(1 - noise, 1 + noise)
+        sample = StepSample(tokens, 64, depth, rest, _draft(64, depth), verified=tokens - 64, context=context)
+        out.append(sample)
+    return out
+
+
+def test_the_context_term_is_recovered_and_prices_steps_at_their_own_context():
+    # Samples from long contexts must not price a step at a short one: the term carries the difference.
+    k = 2.7e-6  # the testbed's CPU at batch 64: ~2.7 ms per 1,000 cached tokens
+    model = fit_cost_model(_context_samples(k))
+    assert model is not None and model.context_s == pytest.approx(k, rel=0.1)
+    for depth in range(4):
+        tokens = 64 * (1 + depth)
+        truth = 0.030 + 0.0002 * tokens + (0.01 if depth else 0.0) + k * 6000
+        measured_shape = model.rest_at(tokens, 64, 6000) + model.verify_at(64, tokens - 64)
+        assert measured_shape == pytest.approx(truth, rel=0.05)
+    # Without the term the same samples price a short-context step at the samples' mean context: far too high.
+    blind = fit_cost_model([dataclasses.replace(s, context=0) for s in _context_samples(k)])
+    assert blind is not None and blind.context_s == 0.0
+    assert blind.rest_at(128, 64) + blind.verify_at(64, 64) > 1.15 * (
+        model.rest_at(128, 64, 6000) + model.verify_at(64, 64)
+    )
+
+
+def test_samples_without_a_context_fit_no_context_term():
+    model = fit_cost_model(_samples(lambda n, b: 0.002 + 0.0003 * n, _draft))
+    assert model is not None and model.context_s == 0.0
+    assert model.rest_at(40, 8, 10_000) == model.rest_at(40, 8)
+
+
+def test_a_context_model_travels_and_older_vectors_and_profiles_load_without_it(tmp_path):
+    model = fit_cost_model(_context_samples(2.7e-6))
+    assert model is not None
+    assert CostModel.from_vector(model.to_vector()) == model
+    assert CostModel.from_vector(model.to_vector()[:-1]).context_s == 0.0  # a vector from before the term
+    path = tmp_path / "p.budget.json"
+    save_profile(path, model, AcceptanceModel(4))
+    assert load_profile(path, 4)[0] == model
+    raw = json.loads(path.read_text())
+    del raw["cost_model"]["context_s"]  # a profile written before the term
+    path.write_text(json.dumps(raw))
+    assert load_profile(path, 4)[0].context_s == 0.0

@@ -27,7 +27,9 @@ STEP_KEYS = ("batch", "num_tokens", "draft_depth", "accepted")
 
 
 class StepCost(Protocol):
-    def step_seconds(self, num_tokens: float, batch: int, draft_depth: int, verified: float = 0) -> float: ...
+    def step_seconds(
+        self, num_tokens: float, batch: int, draft_depth: int, verified: float = 0, context: float = 0.0
+    ) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -63,10 +65,13 @@ def oracle_bound(records: Iterable[Mapping[str, Any]], cost: StepCost) -> Oracle
             return unavailable(f"step log lacks {', '.join(missing)} (this ECHO build does not record them)", steps)
         batch = int(record["batch"])
         accepted = [int(a) for a in record["accepted"]]
-        oracle += cost.step_seconds(float(batch + sum(accepted)), batch, max(accepted, default=0), sum(accepted))
+        context = float(record.get("context_tokens", 0))  # the same cached tokens for the policy and the oracle
+        oracle += cost.step_seconds(
+            float(batch + sum(accepted)), batch, max(accepted, default=0), sum(accepted), context
+        )
         drafted = int(record.get("drafted_depth", record["draft_depth"]))  # the early exit may stop short of the plan
         # A step whose forward verified drafts lists each verified request's accepted count (verify(B) applies).
-        policy += cost.step_seconds(float(record["num_tokens"]), batch, drafted, len(accepted))
+        policy += cost.step_seconds(float(record["num_tokens"]), batch, drafted, len(accepted), context)
         steps += 1
     if steps == 0:
         return unavailable("no ECHO steps were recorded in the timed part")

@@ -43,6 +43,8 @@ class _CostModelJson(BaseModel):
     )
     # Added with the deferred head rows' term; profiles written before it have none (plain steps free of head work).
     deferred_row_s: float = Field(default=0.0, ge=0)
+    # Added with the context term; profiles written before it have none (the curve in N carries the context).
+    context_s: float = Field(default=0.0, ge=0)
 
 
 class _AcceptanceJson(BaseModel):
@@ -86,6 +88,7 @@ def save_profile(path: str | os.PathLike[str], cost: CostModel, acceptance: Acce
             "first_pass_terms": list(cost.first_pass_terms),
             "verify_terms": list(cost.verify_terms),
             "deferred_row_s": cost.deferred_row_s,
+            "context_s": cost.context_s,
         },
         "acceptance": acceptance.to_json_dict(),
     }
@@ -137,6 +140,7 @@ def load_profile(
             (c.first_pass_terms[0], c.first_pass_terms[1]),
             (c.verify_terms[0], c.verify_terms[1]),
             c.deferred_row_s,
+            c.context_s,
         )
         acceptance = AcceptanceModel.from_json_dict(data.acceptance.model_dump(), expected_max_depth, device)
     except (ValueError, RuntimeError) as err:

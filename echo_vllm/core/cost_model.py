@@ -19,6 +19,15 @@ A step whose forward verifies any drafts (V > 0) adds
 A step that verifies a tree with W nodes off the spine (rows whose attention needs the tree mask) adds
   tree(W)     = t0 [W > 0] + t1 W: the tree step's fixed work (positions, masks, compaction) and the masked
                 attention per such row, which a step of N chain tokens does not pay.
+A step whose requests hold C tokens in the KV cache already (their context, summed) adds
+  context(C)  = k C: reading that cache in the target forward's attention. On the testbed's CPU at batch 64 it is
+                ~2.7 ms per 1,000 context tokens, the same in four runs, and the same for a plain step and for one
+                verifying 1-4 drafts per request (the forward reads each request's cache once, whatever its query
+                rows). Without it the curve in N took the contexts of the steps it was fitted on: samples from the
+                warm-up's long contexts (11-19k tokens) priced the timed steps (7-15k) 7-27 ms high at batch 64, the
+                drafting shapes the plan ran rarely the most, and the plan swung between plain decoding and depth 3
+                where static depths 1-2 were best. A sample without a context (C = 0, e.g. the HF engine) leaves k
+                at 0.
 A step whose first pass also carries R head rows deferred from earlier plain steps (`defer_plain_head`) adds
   deferred(R) = h R: the head's work those plain steps skipped. Without this term the merged backlog was charged
                 to the first-pass terms of every drafting step (f + g B) and plain steps looked free of head work:
@@ -52,6 +61,7 @@ TREE_TERMS = 2  # t0, t1 of tree(W)
 FIRST_PASS_TERMS = 2  # f, g of draft(B, d): the step cost of drafting at all (d >= 1)
 VERIFY_TERMS = 2  # v0, v1 of verify(B): the step cost of verifying at all (V >= 1)
 DEFERRED_TERMS = 1  # h of deferred(R): seconds per deferred head row merged into a first pass
+CONTEXT_TERMS = 1  # k of context(C): seconds per token already in the KV cache of the step's requests
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,7 @@ class StepSample:
     width: int = 0  # verified nodes off the spine in this step's forward (tree rows)
     verified: int = 0  # draft tokens verified in this step's forward (0: a plain step)
     merged: int = 0  # head rows of earlier plain steps merged into this step's first pass (defer_plain_head)
+    context: int = 0  # tokens already in the KV cache of the step's requests, summed (0: not measured)
 
 
 class StepSamples:
@@ -137,7 +148,8 @@ class CostModel:
     """rest(N, B) over `knots` (seconds per knot, non-decreasing) + `per_request_s` x B; draft terms (a, b, c, e);
     tree terms (t0, t1) of a step verifying W > 0 nodes off the spine; first-pass terms (f, g) of a step that
     drafts at all (absent from profiles written before them: 0, the old linear model); h = `deferred_row_s`, the
-    head's work per row deferred from a plain step (0 in older profiles, and without `defer_plain_head`).
+    head's work per row deferred from a plain step (0 in older profiles, and without `defer_plain_head`); k =
+    `context_s`, seconds per context token (0 in older profiles).
 
     fit_error: median relative error |predicted - observed| / observed of the step time over the fitted samples.
     """
@@ -152,6 +164,7 @@ class CostModel:
     first_pass_terms: tuple[float, float] = (0.0, 0.0)
     verify_terms: tuple[float, float] = (0.0, 0.0)
     deferred_row_s: float = 0.0
+    context_s: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.knots) < 2 or len(self.knots) != len(self.rest_s):
@@ -160,7 +173,7 @@ class CostModel:
             raise ValueError("cost model knots must be strictly increasing")
         values = [
             *self.rest_s, self.per_request_s, *self.draft_terms, *self.tree_terms, *self.first_pass_terms,
-            *self.verify_terms, self.deferred_row_s,
+            *self.verify_terms, self.deferred_row_s, self.context_s,
         ]  # fmt: skip
         if (
             len(self.draft_terms) != DRAFT_TERMS
@@ -174,21 +187,22 @@ class CostModel:
 
     # -- evaluation -------------------------------------------------------------------------------------------
 
-    def rest_seconds(self, num_tokens: torch.Tensor, batch: int) -> torch.Tensor:
-        """Seconds outside the proposer for steps of `num_tokens` tokens (any shape) at `batch` requests."""
+    def rest_seconds(self, num_tokens: torch.Tensor, batch: int, context: float = 0.0) -> torch.Tensor:
+        """Seconds outside the proposer for steps of `num_tokens` tokens (any shape) at `batch` requests holding
+        `context` tokens in the KV cache."""
         knots = torch.tensor(self.knots, dtype=torch.float64)
         values = torch.tensor(self.rest_s, dtype=torch.float64)
         flat = num_tokens.reshape(-1).to("cpu", torch.float64)
         curve = _hat_basis(flat, knots) @ values
-        return (curve + self.per_request_s * batch).reshape(num_tokens.shape)
+        return (curve + self.per_request_s * batch + self.context_s * context).reshape(num_tokens.shape)
 
-    def rest_at(self, num_tokens: float, batch: int) -> float:
+    def rest_at(self, num_tokens: float, batch: int, context: float = 0.0) -> float:
         """`rest_seconds` of one step, on the host (no tensors: the proposer calls it on every step)."""
         knots, values = self.knots, self.rest_s
         n = max(float(num_tokens), knots[0])
         i = min(max(bisect.bisect_right(knots, n), 1), len(knots) - 1) - 1  # the segment's left knot
         frac = (n - knots[i]) / (knots[i + 1] - knots[i])  # > 1 beyond the last knot: linear extrapolation
-        return (1.0 - frac) * values[i] + frac * values[i + 1] + self.per_request_s * batch
+        return (1.0 - frac) * values[i] + frac * values[i + 1] + self.per_request_s * batch + self.context_s * context
 
     def verify_at(self, batch: int, verified: float) -> float:
         """verify(B): the extra seconds of a step whose forward verifies `verified` > 0 drafts (0 otherwise)."""
@@ -216,15 +230,17 @@ class CostModel:
         """The head's deferred work a plain step of `batch` requests leaves for a later first pass (h B)."""
         return self.deferred_row_s * batch
 
-    def step_seconds(self, num_tokens: float, batch: int, draft_depth: int, verified: float = 0) -> float:
-        rest = float(self.rest_seconds(torch.tensor([float(num_tokens)]), batch)[0])
+    def step_seconds(
+        self, num_tokens: float, batch: int, draft_depth: int, verified: float = 0, context: float = 0.0
+    ) -> float:
+        rest = float(self.rest_seconds(torch.tensor([float(num_tokens)]), batch, context)[0])
         return rest + self.verify_at(batch, verified) + self.draft_seconds(batch, draft_depth)
 
     # -- transport (TP broadcast) -----------------------------------------------------------------------------
 
     def to_vector(self) -> list[float]:
         """Flat floats: [K, knots..., rest..., per_request, draft terms..., fit_error, num_samples, tree terms...,
-        first-pass terms..., verify terms..., h]."""
+        first-pass terms..., verify terms..., h, k]."""
         return [
             float(len(self.knots)),
             *self.knots,
@@ -237,6 +253,7 @@ class CostModel:
             *self.first_pass_terms,
             *self.verify_terms,
             self.deferred_row_s,
+            self.context_s,
         ]
 
     @classmethod
@@ -250,11 +267,15 @@ class CostModel:
         first = (tail[9], tail[10]) if len(tail) >= 11 else (0.0, 0.0)
         verify = (tail[11], tail[12]) if len(tail) >= 13 else (0.0, 0.0)
         deferred = tail[13] if len(tail) >= 14 else 0.0
-        return cls(knots, rest, tail[0], draft, tail[5], int(tail[6]), tree, first, verify, deferred)
+        context = tail[14] if len(tail) >= 15 else 0.0
+        return cls(knots, rest, tail[0], draft, tail[5], int(tail[6]), tree, first, verify, deferred, context)
 
 
 def vector_length(num_knots: int) -> int:
-    return 1 + 2 * num_knots + 1 + DRAFT_TERMS + 2 + TREE_TERMS + FIRST_PASS_TERMS + VERIFY_TERMS + DEFERRED_TERMS
+    return (
+        1 + 2 * num_knots + 1 + DRAFT_TERMS + 2 + TREE_TERMS + FIRST_PASS_TERMS + VERIFY_TERMS + DEFERRED_TERMS
+        + CONTEXT_TERMS
+    )  # fmt: skip
 
 
 def _nonnegative_lstsq(x: torch.Tensor, y: torch.Tensor, ridge: float) -> torch.Tensor:
@@ -352,17 +373,20 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
     width = torch.tensor([s.width for s in rows], dtype=torch.float64)
     verifying = torch.tensor([1.0 if s.verified > 0 else 0.0 for s in rows], dtype=torch.float64)
     merged = torch.tensor([s.merged for s in rows], dtype=torch.float64)
+    context = torch.tensor([s.context for s in rows], dtype=torch.float64)
 
     knots = torch.tensor(_knots_for(float(n.max())), dtype=torch.float64)
     k = knots.numel()
     tree_cols = torch.stack([(width > 0).to(torch.float64), width], dim=1)
     verify_cols = torch.stack([verifying, verifying * batch], dim=1)
-    extra_cols = torch.cat([batch.unsqueeze(1), tree_cols, verify_cols], dim=1)  # per request, tree, verify
+    # per request, tree, verify, context (context in 1e3 tokens: a column on the scale of the others for the ridge)
+    extra_cols = torch.cat([batch.unsqueeze(1), tree_cols, verify_cols, (context / 1e3).unsqueeze(1)], dim=1)
     v = _monotone_rest_fit(_hat_basis(n, knots), extra_cols, rest, ridge * len(rows), knots)
     curve = torch.cummax(v[:k].clamp(min=0.0), dim=0).values  # a no-op but for float rounding
     per_request = float(v[k])
     tree = (float(v[k + 1]), float(v[k + 2]))
     verify = (float(v[k + 3]), float(v[k + 4]))
+    context_s = float(v[k + 5]) / 1e3
 
     drafts = (depth >= 1).to(torch.float64)
     x_draft = torch.stack([torch.ones_like(batch), batch, depth, depth * batch, drafts, drafts * batch, merged], dim=1)
@@ -374,6 +398,7 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
         + per_request * batch
         + tree_cols @ torch.tensor(tree, dtype=torch.float64)
         + verify_cols @ torch.tensor(verify, dtype=torch.float64)
+        + context_s * context
         + x_draft @ torch.tensor(terms, dtype=torch.float64)
     )
     observed = rest + draft
@@ -389,4 +414,5 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
         (terms[4], terms[5]),
         verify,
         terms[6],
+        context_s,
     )

@@ -215,6 +215,7 @@ class HFEngine:
                 profile_path=Path(path).expanduser() if path else None,
             )
         self._plan = DraftPlan(self.max_depth, self.k_max, False)
+        self._step_context = 0  # tokens cached in the target before this step (the cost model's context term)
         self.eos_id = self.target.model.config.eos_token_id
         self.metrics = EchoMetrics(self.max_depth)
         self.drafted_depth_sum = 0  # the depth each verified step's tree was drafted to (u over drafted depth)
@@ -349,6 +350,8 @@ class HFEngine:
         if not self.spec.drafts or self.k_max == 0:
             return self._ar_step(pending, temperature, generator)
         if self.budget is not None:
+            self._step_context = int(self.target.cache_len)  # the cost model's context term: tokens cached
+            self.budget.set_step_context(self._step_context)
             self._plan = self.budget.plan(1, self.top_k, self.warming_up, warmup_cap=self.k_max)
             if self._plan.depth == 0:  # the budget chose plain decoding: the head's context still follows
                 started = time.perf_counter()
@@ -364,7 +367,8 @@ class HFEngine:
         """A timed step for the cost model: split = (seconds in the target's part, seconds in the drafter's)."""
         assert self.budget is not None
         rest_s, draft_s = split
-        self.budget.add_sample(StepSample(num_tokens, 1, depth, rest_s, draft_s), self.warming_up)
+        sample = StepSample(num_tokens, 1, depth, rest_s, draft_s, context=self._step_context)
+        self.budget.add_sample(sample, self.warming_up)
 
     def _pick(self, logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
         if temperature <= 0:

@@ -137,11 +137,12 @@ def _tp_rank() -> int:
         return 0
 
 
-def _model_step_ms(cost: Any, batch: int, max_depth: int, plain_head_s: float) -> list[float]:
-    """The cost model's step at `batch` with every draft of depth d = 0..D verified, in ms (the step log's
-    "model_ms"; `cost` is the fit of that step: refits replace the model, never change it)."""
+def _model_step_ms(cost: Any, batch: int, max_depth: int, plain_head_s: float, context: float = 0.0) -> list[float]:
+    """The cost model's step at `batch` (requests holding `context` cached tokens) with every draft of depth
+    d = 0..D verified, in ms (the step log's "model_ms"; `cost` is the fit of that step: refits replace the model,
+    never change it)."""
     return [
-        round(1e3 * (cost.rest_at(batch * (1 + d), batch) + cost.verify_at(batch, batch * d)
+        round(1e3 * (cost.rest_at(batch * (1 + d), batch, context) + cost.verify_at(batch, batch * d)
                      + cost.draft_seconds(batch, d) + (plain_head_s if d == 0 else 0.0)), 2)
         for d in range(max_depth + 1)
     ]  # fmt: skip
@@ -412,6 +413,17 @@ class EchoProposer(EagleProposer):
         gates = self._gates(torch.exp(torch.where(valid, scores, torch.full_like(scores, float("-inf")))))
         return bool(drafting_can_stop(scores, valid, gates, self._early_cap, self.echo_settings.surplus_tail).item())
 
+    def _set_step_context(self, batch: int | None = None) -> None:
+        """This step's KV context (`_context_tokens`) for the step log and the time-aware budget's context term
+        (a sum over B host ints, ~2 us: taken in the feedback and again in propose, whichever runs)."""
+        if self.budget is None and not self._step_log:
+            return
+        if batch is None:
+            batch = self._runner.input_batch.num_reqs if self._runner is not None else 0
+        self._step_context = self._context_tokens(batch)
+        if self.budget is not None:
+            self.budget.set_step_context(self._step_context)
+
     def _context_tokens(self, batch: int) -> int:
         """Tokens already in the KV cache of this step's requests (host numpy: no sync); 0 without a runner."""
         if self._runner is None or batch <= 0:
@@ -452,7 +464,7 @@ class EchoProposer(EagleProposer):
             )
             target = kwargs.get("target_token_ids")  # tokens of this step's target forward (the runner's keyword)
             self._step_tokens = int(target.shape[0]) if isinstance(target, torch.Tensor) else batch
-            self._step_context = self._context_tokens(batch) if self._step_log else 0  # the step log's only
+            self._set_step_context(batch)
             if self._last_end is not None:
                 self._last_times = (start - self._last_end, self._last_times[1])
             self._before_drafting(batch)
@@ -760,7 +772,7 @@ class EchoProposer(EagleProposer):
             if self.budget is not None:
                 sample = StepSample(
                     num_tokens, batch, depth, rest_s, draft_s, self.forward_fix_rows, self._verified_in_forward,
-                    self._merged_rows,
+                    self._merged_rows, self._step_context,
                 )  # fmt: skip
                 self.budget.add_sample(sample, self.warming_up)
         self._last_end = end
@@ -964,6 +976,7 @@ class EchoProposer(EagleProposer):
             return
         try:
             self.faults.maybe_inject("feedback")
+            self._set_step_context()  # the hindsight prices the forward that just verified, at its context
             self._observe(req_ids, sampled_token_ids, spec_decode_metadata)
         except Exception as err:
             self._pending = None
@@ -1235,8 +1248,9 @@ class EchoProposer(EagleProposer):
             cost = self.budget.cost_model
             if cost is not None and batch > 0:  # the current fit's step at this batch, every draft of depth d verified
                 model_ms = functools.partial(
-                    _model_step_ms, cost, batch, self.max_depth, self.budget.plain_head_seconds(batch)
-                )
+                    _model_step_ms, cost, batch, self.max_depth, self.budget.plain_head_seconds(batch),
+                    self._step_context,
+                )  # fmt: skip
         if self._step_log_writer is None:
             self._step_log_writer = StepLogWriter(self._step_log)  # lives as long as the proposer
         self._step_log_writer.append(StepRecord(fields, tuple(map(tuple, ragged)), rounded, model_ms))

@@ -45,7 +45,7 @@ def main() -> int:
         samples = [
             StepSample(
                 r["num_tokens"], r["batch"], r.get("drafted_depth", r["draft_depth"]), r["rest_s"], nxt["draft_s"],
-                0, r.get("verified_in_forward", 0),
+                0, r.get("verified_in_forward", 0), 0, r.get("context_tokens", 0),
             )
             for r, nxt in zip(rows, rows[1:])
             if r.get("phase") in ("auto", "profile")
@@ -67,6 +67,7 @@ def main() -> int:
     for prev, row in zip(rows, rows[1:]):
         if row.get("phase") != "auto" or prev.get("phase") != "auto" or row["batch"] != args.batch:
             continue
+        budget.set_step_context(row.get("context_tokens", 0))  # the forward that verified: its cached tokens
         counts = [c for c in prev.get("counts", []) if c > 0]
         if not row["accepted"] or len(counts) != len(row["accepted"]):
             continue  # a plain step, or requests joined / left in between

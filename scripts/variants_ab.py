@@ -96,6 +96,8 @@ def _model_step_ms(runs: dict[str, list[dict[str, Any]]], variant: Any, batch_si
     )
     if vector is None:
         return None
+    # At no context: the fit's context term (seconds per cached token) is left out, so with one the price is the
+    # step less what reading the KV cache costs (a lower bound; ECHO's step log carries each step's context).
     model = CostModel.from_vector(vector)
     d = variant.depth if variant.method == "eagle3" else 0
     drafts = batch_size * d

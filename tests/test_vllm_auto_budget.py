@@ -336,3 +336,25 @@ def test_partial_probes_take_the_next_slice_of_the_batch():
     proposer._before_drafting(8)
     assert proposer._plan == DraftPlan(DEPTH, 8 * DEPTH, False)
     assert proposer._probe_rows is not None and int(proposer._probe_rows.sum()) == 2
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_steps_context_reaches_the_budget_unless_switched_off(monkeypatch, enabled):
+    """The proposer hands the time-aware budget each step's cached tokens (the runner's num_computed_tokens over
+    the step's requests) and records them for the step log; ECHO_VLLM_COST_CONTEXT=0 (an A/B switch) gives the
+    budget 0 instead, so the cost model fits no context term."""
+    import numpy as np
+
+    from echo_vllm.core.time_budget import TimeAwareBudget
+    from echo_vllm.vllm.proposer import EchoProposer
+
+    proposer = object.__new__(EchoProposer)
+    proposer._step_log = False
+    proposer._cost_context = enabled
+    proposer._runner = types.SimpleNamespace(
+        input_batch=types.SimpleNamespace(num_reqs=3, num_computed_tokens_cpu=np.array([100, 250, 40, 999]))
+    )
+    proposer.budget = TimeAwareBudget(DEPTH, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None)
+    proposer._set_step_context()
+    assert proposer._step_context == 390  # the 3 requests of the step, not the stale 4th row
+    assert proposer.budget.context == (390.0 if enabled else 0.0)

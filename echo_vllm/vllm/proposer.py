@@ -99,6 +99,10 @@ FORCE_PLAIN_ENV = "ECHO_VLLM_FORCE_PLAIN"  # tests: N > 1 = once calibrated, onl
 # policies where job-to-job drift (+-15 % on the testbed) swamps separate runs. The step log names each step's policy.
 POLICY_BLOCKS_ENV = "ECHO_VLLM_POLICY_BLOCKS"
 POLICY_BLOCK_STEPS_ENV = "ECHO_VLLM_POLICY_BLOCK_STEPS"
+# Diagnostics (A/B of the cost model's context term, scripts/variants_ab.py): "0" gives the time-aware budget no
+# context (every sample and price at C = 0: the cost model without the term, as before it); the step log still
+# records each step's context.
+COST_CONTEXT_ENV = "ECHO_VLLM_COST_CONTEXT"
 
 
 def parse_policy_blocks(text: str, max_depth: int) -> list[tuple[str, int | None]]:
@@ -168,6 +172,7 @@ class PendingVerification:
 class EchoProposer(EagleProposer):
     num_speculative_tokens: int  # vLLM's; `_draft` sets it per step and restores it
     _policy = "auto"  # this step's policy (ECHO_VLLM_POLICY_BLOCKS; "auto" without blocks)
+    _cost_context = True  # the budget's cost model sees each step's context (ECHO_VLLM_COST_CONTEXT=0: not)
     _policy_blocks: tuple[tuple[str, int | None], ...] = ()
     _probe_rows: torch.Tensor | None = None
 
@@ -244,6 +249,7 @@ class EchoProposer(EagleProposer):
         self._head_keys: dict[str, int] = {}  # request id -> key of its kept head rows (cleared at each merge)
         self._no_merge = os.environ.get(DEFERRED_HEAD_NO_MERGE_ENV) == "1"
         self._force_plain = int(os.environ.get(FORCE_PLAIN_ENV) or 0)
+        self._cost_context = os.environ.get(COST_CONTEXT_ENV, "1") != "0"
         self._force_clock = 0
         self._policy_blocks = tuple(parse_policy_blocks(os.environ.get(POLICY_BLOCKS_ENV) or "", self.max_depth))
         self._policy_block_steps = max(1, int(os.environ.get(POLICY_BLOCK_STEPS_ENV) or 8))
@@ -422,7 +428,7 @@ class EchoProposer(EagleProposer):
             batch = self._runner.input_batch.num_reqs if self._runner is not None else 0
         self._step_context = self._context_tokens(batch)
         if self.budget is not None:
-            self.budget.set_step_context(self._step_context)
+            self.budget.set_step_context(self._step_context if self._cost_context else 0)
 
     def _context_tokens(self, batch: int) -> int:
         """Tokens already in the KV cache of this step's requests (host numpy: no sync); 0 without a runner."""
@@ -772,7 +778,7 @@ class EchoProposer(EagleProposer):
             if self.budget is not None:
                 sample = StepSample(
                     num_tokens, batch, depth, rest_s, draft_s, self.forward_fix_rows, self._verified_in_forward,
-                    self._merged_rows, self._step_context,
+                    self._merged_rows, self._step_context if self._cost_context else 0,
                 )  # fmt: skip
                 self.budget.add_sample(sample, self.warming_up)
         self._last_end = end

@@ -25,16 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
-
-def kind_of(line: dict) -> str:
-    """ "probe", "plain" or "d<drafted depth>" (as scripts/policy_blocks.py counts them)."""
-    if line.get("probe") or line.get("probe_rows", 0):
-        return "probe"
-    depth = line.get("drafted_depth", line.get("draft_depth", 0))
-    return "plain" if depth == 0 else f"d{depth}"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from policy_blocks import step_kind as kind_of  # the same kinds as the policy-block view
 
 
 def plan_string(lines: list[dict]) -> str:

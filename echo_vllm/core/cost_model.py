@@ -24,7 +24,7 @@ A step whose requests hold C tokens in the KV cache already (their context, summ
                 ~2.7 ms per 1,000 context tokens, the same in four runs, and the same for a plain step and for one
                 verifying 1-4 drafts per request (the forward reads each request's cache once, whatever its query
                 rows). Without it the curve in N took the contexts of the steps it was fitted on: samples from the
-                warm-up's long contexts (11-19k tokens) priced the timed steps (7-15k) 7-27 ms high at batch 64, the
+                warm-up's long contexts (11-19k tokens) priced the timed steps (7-15k) up to 27 ms high at batch 64, the
                 drafting shapes the plan ran rarely the most, and the plan swung between plain decoding and depth 3
                 where static depths 1-2 were best. A sample without a context (C = 0, e.g. the HF engine) leaves k
                 at 0.

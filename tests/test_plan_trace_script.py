@@ -2,18 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "plan_trace.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("plan_trace", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
+from script_module import load_script
 
 
 def _line(depth, num_tokens, verified, accepted, rest, draft, probe=False, model=None):
@@ -25,7 +14,7 @@ def _line(depth, num_tokens, verified, accepted, rest, draft, probe=False, model
 
 
 def test_steps_are_attributed_to_the_previous_decision():
-    trace = _module()
+    trace = load_script("plan_trace")
     lines = [
         _line(0, 2, 0, [], 0.010, 0.001, model=[9.0, 12.0, 15.0]),  # plain decision
         _line(2, 2, 0, [], 0.011, 0.002, model=[9.0, 12.0, 15.0]),  # plain step paid: 0.011 + 0.002; d2 decision

@@ -2,18 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "policy_blocks.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("policy_blocks", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
+from script_module import load_script
 
 
 def _line(policy, depth, num_tokens, verified, accepted, rest, draft):
@@ -24,7 +13,7 @@ def _line(policy, depth, num_tokens, verified, accepted, rest, draft):
 
 
 def test_steps_with_prompt_rows_count_only_on_request():
-    blocks = _module()
+    blocks = load_script("policy_blocks")
     lines = [
         _line("static:1", 1, 2, 0, [], 0.01, 0.001),
         _line("static:1", 1, 4, 2, [1, 0], 0.02, 0.002),  # decode: 2 requests + 2 verified drafts

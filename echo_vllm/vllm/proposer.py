@@ -421,7 +421,7 @@ class EchoProposer(EagleProposer):
 
     def _set_step_context(self, batch: int | None = None) -> None:
         """This step's KV context (`_context_tokens`) for the step log and the time-aware budget's context term
-        (a sum over B host ints, ~2 us: taken in the feedback and again in propose, whichever runs)."""
+        (a sum over B host ints: taken in the feedback and again in propose, whichever runs)."""
         if self.budget is None and not self._step_log:
             return
         if batch is None:

@@ -16,6 +16,7 @@ from echo_vllm.core.auto_budget import (
     LevelMemory,
     choose_budget,
     drafting_can_stop,
+    load_bucket,
     priority_rank,
     select_auto,
     select_by_rank,
@@ -264,6 +265,23 @@ def test_the_paired_lead_of_one_depth_over_another_and_its_standard_error():
     one = LevelMemory(1)
     one.add([1.0, 2.0], a, 8)
     assert one.lead(1, 0) == (pytest.approx(1.0), float("inf"))  # one step: no error estimate, no switch on it
+
+
+def test_level_memory_skips_the_paired_sums_unless_a_switch_margin_reads_them():
+    """Without a switch margin nothing reads `lead`: the controller's memories keep the values only (the same
+    values), and asking one for a lead is an error, not a silent zero."""
+    steps = [[1.0, 1.30, 1.10], [1.0, 1.05, 1.40], [1.0, 1.20, float("nan")], [1.0, 1.10, 1.00]]
+    full, lean = LevelMemory(2), LevelMemory(2, pairs=False)
+    for levels in steps:
+        full.add(levels, 0.3, 8)
+        lean.add(levels, 0.3, 8)
+    assert lean.value == full.value and lean.measured_requests == full.measured_requests
+    with pytest.raises(ValueError, match="pairs=True"):
+        lean.lead(1, 0)
+    for margin, pairs in ((0.0, False), (1.0, True)):
+        control = DraftController(2, probe_interval=0, switch_margin=margin)
+        control.observe_levels([1.0, 1.1, 1.2], 16)
+        assert control._memory_of(load_bucket(16)).pairs is pairs
 
 
 def _plan_switches(margin: float, lead_of_two: float, seed: int, steps: int = 400) -> tuple[int, list[int]]:

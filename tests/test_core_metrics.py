@@ -216,6 +216,7 @@ def test_host_accumulators_give_the_tensor_paths_figures(seed):
     figures must be the tensor path's, with and without `active` rows, truncations, predictions."""
     rng = torch.Generator().manual_seed(seed)
     host, tensors = EchoMetrics(4, host_accumulators=True), EchoMetrics(4, host_accumulators=False)
+    summed = EchoMetrics(4, host_accumulators=True)  # given the step's sum as a host int (the chain proposer's)
     for step in range(25):
         batch = int(torch.randint(1, 9, (1,), generator=rng))
         counts = torch.randint(0, 5, (batch,), generator=rng)
@@ -225,8 +226,11 @@ def test_host_accumulators_give_the_tensor_paths_figures(seed):
         k_max = int(torch.randint(0, 20, (1,), generator=rng))
         accepted = torch.minimum(torch.randint(0, 5, (batch,), generator=rng), counts)
         predicted = torch.rand((), generator=rng, dtype=torch.float64) * batch
-        for m in (host, tensors):
-            m.record_selection(counts, k_max, depth_cap, truncated if step % 4 else None, active)
+        for m in (host, tensors, summed):
+            step_sum = int(counts.sum()) if m is summed else None
+            m.record_selection(
+                counts, k_max, depth_cap, truncated if step % 4 else None, active, host_step_sum=step_sum
+            )
             m.record_plan(int(counts.max()), predicted if step % 2 else None)
             m.record_verification(accepted + 1, accepted, counts, counts, active)
             m.record_realised(accepted)
@@ -239,4 +243,5 @@ def test_host_accumulators_give_the_tensor_paths_figures(seed):
         else:
             assert a[key] == pytest.approx(b[key]), key
     assert host.totals() == tensors.totals()  # sums of small integers: exact in float64
+    assert summed.summary() == a and summed.totals() == host.totals()
     assert sum(a["truncations_per_depth"]) > 0  # the truncation bins were exercised

@@ -358,3 +358,11 @@ def test_the_steps_context_reaches_the_budget_unless_switched_off(monkeypatch, e
     proposer._set_step_context()
     assert proposer._step_context == 390  # the 3 requests of the step, not the stale 4th row
     assert proposer.budget.context == (390.0 if enabled else 0.0)
+    # The feedback takes it first and marks the batch; propose in the same step reuses it (one sum per step) ...
+    proposer._context_batch = 3
+    proposer._runner.input_batch.num_computed_tokens_cpu = np.array([1, 2, 3, 4])
+    proposer._set_step_context(3)
+    assert proposer._step_context == 390 and proposer._context_batch is None
+    # ... once: any later call (propose without a feedback, another batch) sums the runner's counts again.
+    proposer._set_step_context(3)
+    assert proposer._step_context == 6 and proposer.budget.context == (6.0 if enabled else 0.0)

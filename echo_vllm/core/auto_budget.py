@@ -252,8 +252,11 @@ class LevelMemory:
     """The bias-corrected exponential average of each depth's worth, for one load slot (`load_bucket`), and of
     the paired differences between depths (for the standard error of one depth's lead over another)."""
 
-    def __init__(self, max_depth: int) -> None:
+    def __init__(self, max_depth: int, *, pairs: bool = True) -> None:
+        """pairs: keep the paired differences (only `DraftController._settle` with a switch margin reads `lead`;
+        without one, the (D + 1)^2 updates per step are skipped)."""
         n = max_depth + 1
+        self.pairs = pairs
         self.sums = [0.0] * n  # decayed sums of the rates and of their weights, per depth
         self.weights = [0.0] * n
         self.value: list[float | None] = [None] * n  # per depth: average worth, None unmeasured
@@ -272,6 +275,8 @@ class LevelMemory:
                 self.sums[d] = keep * self.sums[d] + weight * rate
                 self.weights[d] = keep * self.weights[d] + weight
                 self.value[d] = self.sums[d] / self.weights[d]
+                if not self.pairs:
+                    continue
                 for e, other in enumerate(level_rates):
                     if e != d and finite[e]:
                         pair, x = self._pair[d][e], rate - other
@@ -283,6 +288,8 @@ class LevelMemory:
     def lead(self, d: int, e: int) -> tuple[float, float]:
         """(mean, standard error) of depth d's worth minus depth e's over the steps that measured both; the error
         is inf until two steps did (a weighted mean's variance over its effective sample size w^2 / sum w^2)."""
+        if not self.pairs:
+            raise ValueError("LevelMemory(pairs=False) keeps no paired differences: construct it with pairs=True")
         w, w2, wx, wxx = self._pair[d][e]
         if w <= 0.0:
             return 0.0, float("inf")
@@ -356,7 +363,7 @@ class DraftController:
     def _memory_of(self, slot: int) -> LevelMemory:
         memory = self._memory.get(slot)
         if memory is None:
-            memory = self._memory[slot] = LevelMemory(self.max_depth)
+            memory = self._memory[slot] = LevelMemory(self.max_depth, pairs=self.switch_margin > 0.0)
         return memory
 
     @property

@@ -39,7 +39,7 @@ def chain_inputs(logps: torch.Tensor, kept: torch.Tensor) -> ChainInputs:
     (computed here with torch: its cumsum and exp are the reference's)."""
     scores = torch.cumsum(logps.to(torch.float32), dim=1)
     valid = torch.isfinite(scores) & kept.to(torch.bool).unsqueeze(1)
-    confidence = torch.exp(torch.where(valid, scores, torch.full_like(scores, float("-inf"))))
+    confidence = torch.exp(torch.where(valid, scores, float("-inf")))  # a scalar: no [B, d] of -inf to allocate
     return ChainInputs(scores.contiguous(), valid.contiguous(), confidence.contiguous())
 
 

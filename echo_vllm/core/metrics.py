@@ -140,12 +140,15 @@ class EchoMetrics:
         depth_cap: torch.Tensor | None = None,
         truncated: torch.Tensor | None = None,
         active: torch.Tensor | None = None,
+        host_step_sum: int | None = None,
     ) -> None:
-        """One selection step: counts [B] = K_i; gates' depth_cap / truncated [B] when truncations are counted."""
+        """One selection step: counts [B] = K_i; gates' depth_cap / truncated [B] when truncations are counted.
+        host_step_sum: sum(counts) when the caller already holds it as a host int (host accumulators, all rows active:
+        one tensor reduction fewer per step); ignored otherwise."""
         if truncated is not None and depth_cap is None:
             raise ValueError("truncated needs depth_cap to count truncations per depth")
         if self._on_host(counts.device):
-            self._record_selection_host(counts, k_max, depth_cap, truncated, active)
+            self._record_selection_host(counts, k_max, depth_cap, truncated, active, host_step_sum)
             return
         self._accumulators(counts.device)
         assert self._selection is not None and self._max_step_sum is not None and self._trunc is not None
@@ -179,19 +182,21 @@ class EchoMetrics:
         depth_cap: torch.Tensor | None,
         truncated: torch.Tensor | None,
         active: torch.Tensor | None,
+        host_sum: int | None = None,
     ) -> None:
         """`record_selection` into host numbers: the same figures in a few ops."""
         if active is None:
-            rows, step_sum = float(counts.numel()), float(counts.sum())
+            rows = float(counts.numel())
+            step_sum = float(host_sum) if host_sum is not None else float(counts.sum())
             hit = truncated.to(torch.bool) if truncated is not None else None
         else:
             act = active.to(torch.bool)
             rows, step_sum = float(act.sum()), float((counts.to(torch.float64) * act).sum())
             hit = truncated.to(torch.bool) & act if truncated is not None else None
         truncated_rows = 0.0
-        if hit is not None and depth_cap is not None:
+        if hit is not None and depth_cap is not None and bool(hit.any()):  # most steps truncate nothing
             caps = depth_cap[hit]
-            if caps.numel():  # most steps truncate nothing: one op and done
+            if caps.numel():
                 truncated_rows = float(caps.numel())
                 # Caps beyond the drafted depths go to the extra bin D, dropped (the tensor path's rule).
                 per_depth = torch.bincount((caps.long() - 1).clamp(0, self.max_depth), minlength=self.max_depth + 1)

@@ -115,13 +115,23 @@ def level_counts_from_histograms(
     size = n + 1  # values 0..drafted, and one bucket for anything deeper (never counted at a level <= drafted)
     table = [host[r * size : (r + 1) * size] for r in range(size)]  # table[reach][accepted]
     node_hist = host[size * size :]
-    acc_hist = [sum(table[r][a] for r in range(size)) for a in range(size)]
-    emitted = [sum(count * min(a, d) for a, count in enumerate(acc_hist)) for d in range(n)]
-    nodes_at = [sum(node_hist[1 : d + 1]) for d in range(n)]
-    tried = [sum(table[r][a] for r in range(j, size) for a in range(j - 1, size)) for j in range(1, n)]
-    passed = [sum(table[r][a] for r in range(j, size) for a in range(j, size)) for j in range(1, n)]
-    verified_to_end = sum(table[drafted])
-    accepted_to_end = sum(table[drafted][drafted:])
+    # Suffix sums, built once: tail[r][a] = sum of table[r'][a'] over r' >= r, a' >= a (the double sums of tried
+    # and passed each read one entry; a step's feedback runs this on the host, where every Python op counts).
+    tail = [[0] * (size + 1) for _ in range(size + 1)]
+    for r in range(size - 1, -1, -1):
+        row, below, here = table[r], tail[r + 1], tail[r]
+        for a in range(size - 1, -1, -1):
+            here[a] = row[a] + here[a + 1] + below[a] - below[a + 1]
+    emitted = [0] * n
+    for d in range(1, n):
+        emitted[d] = emitted[d - 1] + tail[0][d]  # + the requests that accepted d or more
+    nodes_at = [0] * n
+    for d in range(1, n):
+        nodes_at[d] = nodes_at[d - 1] + node_hist[d]
+    tried = [tail[j][j - 1] for j in range(1, n)]
+    passed = [tail[j][j] for j in range(1, n)]
+    verified_to_end = tail[drafted][0] - tail[drafted + 1][0]
+    accepted_to_end = tail[drafted][drafted] - tail[drafted + 1][drafted]
     return emitted, nodes_at, tried, passed, verified_to_end, accepted_to_end
 
 

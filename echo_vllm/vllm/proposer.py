@@ -173,6 +173,7 @@ class EchoProposer(EagleProposer):
     num_speculative_tokens: int  # vLLM's; `_draft` sets it per step and restores it
     _policy = "auto"  # this step's policy (ECHO_VLLM_POLICY_BLOCKS; "auto" without blocks)
     _cost_context = True  # the budget's cost model sees each step's context (ECHO_VLLM_COST_CONTEXT=0: not)
+    _context_batch: int | None = None  # the batch the feedback took this step's context for (propose reuses it)
     _policy_blocks: tuple[tuple[str, int | None], ...] = ()
     _probe_rows: torch.Tensor | None = None
 
@@ -296,6 +297,7 @@ class EchoProposer(EagleProposer):
         self._draft_target = 0
         self._step_tokens = 0
         self._step_context = 0
+        self._context_batch = None
         self._echo_ids: list[torch.Tensor] = []
         self._last_accepted: list[int] = []  # step log only
         self._last_times = (0.0, 0.0)  # (rest_s, draft_s) of the last timed step, step log only
@@ -421,11 +423,16 @@ class EchoProposer(EagleProposer):
 
     def _set_step_context(self, batch: int | None = None) -> None:
         """This step's KV context (`_context_tokens`) for the step log and the time-aware budget's context term
-        (a sum over B host ints: taken in the feedback and again in propose, whichever runs)."""
+        (a sum over B host ints). The feedback takes it first and propose reuses it: both run in the same step on the
+        same input batch (EchoVerificationFeedbackPatch calls the feedback right before vLLM's propose); propose
+        takes it itself only when the feedback did not (a fault or a test driving propose alone)."""
         if self.budget is None and not self._step_log:
             return
         if batch is None:
             batch = self._runner.input_batch.num_reqs if self._runner is not None else 0
+        if self._context_batch == batch:
+            self._context_batch = None  # taken by this step's feedback: one numpy sum per step, not two
+            return
         self._step_context = self._context_tokens(batch)
         if self.budget is not None:
             self.budget.set_step_context(self._step_context if self._cost_context else 0)
@@ -853,7 +860,9 @@ class EchoProposer(EagleProposer):
         step_sum = sum(counts)
         if self.k_max is not None and step_sum > self.k_max:  # select_budget guarantees this; never silent
             raise AssertionError(f"ECHO budget violated: sum of drafts {step_sum} > k_max {self.k_max}")
-        self.stats.record_selection(counts_t, cap, depth_cap, truncated)  # no sync
+        # Chains: `counts` is counts_t on the host, so its sum is the step's; tree steps list nodes their own way.
+        host_sum = None if self._tree_step else step_sum
+        self.stats.record_selection(counts_t, cap, depth_cap, truncated, host_step_sum=host_sum)  # no sync
         self.stats.record_plan(depth, predicted)
         if self.budget is not None and self._policy == "auto":  # static blocks stay off the plan's clock
             self.budget.observe_selection(step_sum)
@@ -982,7 +991,9 @@ class EchoProposer(EagleProposer):
             return
         try:
             self.faults.maybe_inject("feedback")
+            self._context_batch = None
             self._set_step_context()  # the hindsight prices the forward that just verified, at its context
+            self._context_batch = self._runner.input_batch.num_reqs if self._runner is not None else None
             self._observe(req_ids, sampled_token_ids, spec_decode_metadata)
         except Exception as err:
             self._pending = None
@@ -1137,10 +1148,17 @@ class EchoProposer(EagleProposer):
         between the two steps (a list comparison, in C); only when it did, the ids are matched one by one."""
         if not num_draft:
             return None
+        shared = min(len(drafted_ids), len(req_ids))
+        if req_ids[:shared] == drafted_ids[:shared] and 0 not in num_draft[:shared]:
+            # Same order and every shared row verified drafts (most steps): rows 0..n-1, two ops instead of five.
+            if shared == 0:
+                return None
+            cur = torch.arange(shared, device=device)
+            return cur, cur, torch.tensor(num_draft[:shared], dtype=torch.long, device=device)
         counts = torch.tensor(num_draft, dtype=torch.long, device=device)
-        if req_ids[: len(drafted_ids)] == drafted_ids or drafted_ids[: len(req_ids)] == req_ids:
+        if req_ids[:shared] == drafted_ids[:shared]:
             # Same order (requests may have joined at the end or left from it): row i is row i.
-            cur = torch.nonzero(counts[: min(len(drafted_ids), len(req_ids))] > 0).reshape(-1)
+            cur = torch.nonzero(counts[:shared] > 0).reshape(-1)
             old = cur
         else:
             index_of = {rid: i for i, rid in enumerate(drafted_ids)}

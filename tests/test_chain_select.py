@@ -306,3 +306,12 @@ def test_cuda_draft_steps_match_and_never_sync():
     assert top_ids[3].tolist() == [100, 101, 102, 103]
     torch.testing.assert_close(logps.cpu(), want_logps, atol=1e-4, rtol=0)
     torch.testing.assert_close(top_logps.cpu(), want_top_logps, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_no_kept_mask_means_every_row_is_kept(seed):
+    """The proposer passes kept=None when vLLM drops no row's drafts (most steps): the inputs of a mask of ones."""
+    logps, kept, *_ = _random_case(seed, 7, 4, 4)
+    got, want = chain_inputs(logps, None), chain_inputs(logps, torch.ones_like(kept))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)  # the scores hold NaN drafts

@@ -54,3 +54,25 @@ def test_no_drafts_anywhere_is_none():
     assert EchoProposer._verified_rows(["a", "b"], ["a", "b"], [0, 0], "cpu") is None
     cur, old, verified = EchoProposer._verified_rows(["a", "b"], ["b", "a"], [2, 0], "cpu")
     assert cur.tolist() == [0] and old.tolist() == [1] and verified.tolist() == [2] and cur.dtype == torch.long
+
+
+def test_kept_rows_are_none_when_vllm_drops_no_drafts():
+    """The chain steps' kept-rows mask: None (every row kept) from the mask's host copy when nothing is dropped,
+    else the device mask's complement; without a host copy, always the device mask's."""
+    import types
+
+    import numpy as np
+
+    proposer = object.__new__(EchoProposer)
+    proposer._depth = torch.zeros(1)
+    dropped = np.array([False, True, False, False])
+    proposer._runner = types.SimpleNamespace(
+        discard_request_mask=types.SimpleNamespace(np=dropped, gpu=torch.from_numpy(dropped))
+    )
+    assert proposer._kept_rows_unless_all(3).tolist() == [True, False, True]
+    dropped[1] = False
+    assert proposer._kept_rows_unless_all(3) is None
+    dropped[3] = True  # a stale row past the batch does not count
+    assert proposer._kept_rows_unless_all(3) is None
+    proposer._runner.discard_request_mask = types.SimpleNamespace(gpu=torch.from_numpy(dropped))  # no host copy
+    assert proposer._kept_rows_unless_all(3).tolist() == [True, True, True]

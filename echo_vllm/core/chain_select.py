@@ -34,11 +34,13 @@ class ChainSelection(NamedTuple):
     predicted: torch.Tensor  # [] float64 expected accepted drafts of the cut (0 under the fixed rule)
 
 
-def chain_inputs(logps: torch.Tensor, kept: torch.Tensor) -> ChainInputs:
-    """From the draft log-probs [B, d] and the rows whose drafts vLLM keeps [B]: what both implementations read
-    (computed here with torch: its cumsum and exp are the reference's)."""
+def chain_inputs(logps: torch.Tensor, kept: torch.Tensor | None) -> ChainInputs:
+    """From the draft log-probs [B, d] and the rows whose drafts vLLM keeps [B] (None: every row): what both
+    implementations read (computed here with torch: its cumsum and exp are the reference's)."""
     scores = torch.cumsum(logps.to(torch.float32), dim=1)
-    valid = torch.isfinite(scores) & kept.to(torch.bool).unsqueeze(1)
+    valid = torch.isfinite(scores)
+    if kept is not None:
+        valid &= kept.to(torch.bool).unsqueeze(1)
     confidence = torch.exp(torch.where(valid, scores, float("-inf")))  # a scalar: no [B, d] of -inf to allocate
     return ChainInputs(scores.contiguous(), valid.contiguous(), confidence.contiguous())
 

@@ -417,7 +417,10 @@ class EchoProposer(EagleProposer):
         logps = torch.stack(self._echo_logps, dim=1)
         batch = min(logps.shape[0], self._runner.input_batch.num_reqs) if self._runner is not None else logps.shape[0]
         scores = torch.cumsum(logps[:batch], dim=1)
-        valid = torch.isfinite(scores) & self._kept_rows(batch).unsqueeze(1)
+        valid = torch.isfinite(scores)
+        kept = self._kept_rows_unless_all(batch)
+        if kept is not None:
+            valid &= kept.unsqueeze(1)
         gates = self._gates(torch.exp(torch.where(valid, scores, torch.full_like(scores, float("-inf")))))
         return bool(drafting_can_stop(scores, valid, gates, self._early_cap, self.echo_settings.surplus_tail).item())
 
@@ -442,6 +445,15 @@ class EchoProposer(EagleProposer):
         if self._runner is None or batch <= 0:
             return 0
         return int(self._runner.input_batch.num_computed_tokens_cpu[:batch].sum())
+
+    def _kept_rows_unless_all(self, batch: int) -> torch.Tensor | None:
+        """`_kept_rows`, or None when vLLM keeps every row's drafts: most steps, known from the mask's host copy
+        (vLLM fills `.np` and copies it to the device each step) without the two tensor ops of the mask."""
+        buffer = self._runner.discard_request_mask if self._runner is not None else None
+        host = getattr(buffer, "np", None)
+        if host is not None and host.shape[0] >= batch and not host[:batch].any():
+            return None
+        return self._kept_rows(batch)
 
     def _kept_rows(self, batch: int) -> torch.Tensor:
         """[B] bool: rows whose drafts vLLM keeps (partial prefills' drafts are dropped)."""
@@ -874,7 +886,7 @@ class EchoProposer(EagleProposer):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """A chain step's gates and budget in one op call (`echo::chain_select`; the same selection as the torch
         path of `_select`, tested bit for bit): (counts, confidence, depth_cap, truncated, predicted or None)."""
-        inputs = chain_inputs(logps, self._kept_rows(batch))
+        inputs = chain_inputs(logps, self._kept_rows_unless_all(batch))
         gate_on, tau = self._gate_tensors(logps.device)
         self._stage = "select"
         self.faults.maybe_inject("select")
@@ -974,7 +986,7 @@ class EchoProposer(EagleProposer):
 
     def _chain_tree(self, drafts: torch.Tensor, logps: torch.Tensor) -> DraftTree:
         """The chains as a DraftTree (the torch path; `chain_inputs` is also what the fused op reads)."""
-        inputs = chain_inputs(logps, self._kept_rows(drafts.shape[0]))
+        inputs = chain_inputs(logps, self._kept_rows_unless_all(drafts.shape[0]))
         return chain_tree(inputs.scores, inputs.valid)._replace(tokens=drafts.to(torch.int64))
 
     # ---------------------------------------------------------------------------------------------------------

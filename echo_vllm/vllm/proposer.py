@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from echo_vllm.core.auto_budget import DraftPlan, drafting_can_stop
@@ -451,7 +452,7 @@ class EchoProposer(EagleProposer):
         (vLLM fills `.np` and copies it to the device each step) without the two tensor ops of the mask."""
         buffer = self._runner.discard_request_mask if self._runner is not None else None
         host = getattr(buffer, "np", None)
-        if host is not None and host.shape[0] >= batch and not host[:batch].any():
+        if host is not None and host.shape[0] >= batch and not np.count_nonzero(host[:batch]):  # not .any(): 3x dearer
             return None
         return self._kept_rows(batch)
 
@@ -858,8 +859,10 @@ class EchoProposer(EagleProposer):
             counts = counts_t.tolist()
             tokens = drafts.tolist()
             ragged = [row[:c] for row, c in zip(tokens, counts)]
-        padded = torch.zeros((batch, self.max_depth), dtype=confidence.dtype, device=confidence.device)
-        padded[:, :depth] = confidence
+        # [B, D] for the feedback: zero confidence past the drafted depth (one op; none when drafted to D).
+        padded = (
+            confidence if depth == self.max_depth else torch.nn.functional.pad(confidence, (0, self.max_depth - depth))
+        )
         self._pending = PendingVerification(
             req_ids,
             padded,

@@ -29,6 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+
+from echo_vllm.core.calibration import auc as calibration_auc
 
 BUDGET_FRACTIONS = (0.125, 0.25, 0.375, 0.5)  # drafts picked per step, as a fraction of the B x D drafted
 CONF_BINS = 12  # confidence bins over six decades (1 .. 1e-6), as fine as the acceptance table's
@@ -36,17 +39,8 @@ PRIOR = 5.0  # pseudo-counts shrinking a (depth, confidence, history) cell to it
 
 
 def auc(score: np.ndarray, label: np.ndarray) -> float:
-    """ROC AUC (ties count half): the chance that a random positive scores above a random negative."""
-    order = np.argsort(score, kind="mergesort")
-    sorted_scores, sorted_labels = score[order], label[order].astype(bool)
-    _, inverse, counts = np.unique(sorted_scores, return_inverse=True, return_counts=True)
-    ends = np.cumsum(counts)
-    ranks = ((ends - counts + 1 + ends) / 2.0)[inverse]  # average rank of each tie group, 1-based
-    positives = int(sorted_labels.sum())
-    negatives = len(sorted_labels) - positives
-    if positives == 0 or negatives == 0:
-        return float("nan")
-    return float((ranks[sorted_labels].sum() - positives * (positives + 1) / 2.0) / (positives * negatives))
+    """The calibration's ROC AUC (ECHO's sweet-spot criterion: ties count half), on numpy arrays."""
+    return calibration_auc(torch.as_tensor(score, dtype=torch.float64), torch.as_tensor(label, dtype=torch.bool))
 
 
 def history(records: Sequence[dict[str, Any]], alpha: float, depth: int) -> np.ndarray:

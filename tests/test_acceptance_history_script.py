@@ -10,7 +10,7 @@ import numpy as np
 from script_module import load_script
 
 
-def test_auc_equals_the_pairwise_count_with_ties():
+def test_auc_is_the_calibrations_pairwise_count_with_ties():
     tool = load_script("acceptance_history")
     rng = np.random.default_rng(0)
     score = rng.integers(0, 5, 60).astype(float)  # many ties

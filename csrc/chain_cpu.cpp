@@ -29,6 +29,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -211,10 +212,71 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> chain_select_cpu(
   return {counts_t, cap_t, trunc_t, predicted_t};
 }
 
+// ---- echo::chain_select_logps (CPU): chain_inputs and chain_select in one call, from the per-depth log-probs ----
+//
+// The proposer holds a chain step's draft log-probs as one [B'] float32 tensor per drafted depth. In torch, the
+// selection's inputs took a stack, a cumsum, isfinite, an and, a where and an exp: ~0.1 ms of a batch-4 step inside
+// the engine (py-spy), where each small op costs 10-20 us. Here one call builds them and runs chain_select_cpu:
+//   scores = cumsum over depths, accumulated in double and rounded to float per prefix (torch's CPU cumsum kernel
+//            for float32 accumulates in at::acc_type<float, false> = double: the same bits, tested);
+//   valid  = isfinite(scores) & kept (kept absent: every row);
+//   confidence = at::exp(where(valid, scores, -inf)) - torch's own exp kernel on the same values.
+// Returns (counts, depth_cap, truncated, predicted, scores, valid, confidence).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chain_select_logps_cpu(
+    at::TensorList step_logps, int64_t batch, const std::optional<at::Tensor>& kept_in, const at::Tensor& gate_on,
+    const at::Tensor& tau, const at::Tensor& gain_table, const at::Tensor& rest, const at::Tensor& draft,
+    double base_tokens, int64_t k_cap, int64_t k_min, bool surplus_tail) {
+  const int64_t depth = static_cast<int64_t>(step_logps.size());
+  ECHO_CHECK_VALUE(depth >= 1, "step_logps must hold one [B] tensor per drafted depth; got none");
+  std::vector<at::Tensor> columns;
+  columns.reserve(depth);
+  for (const at::Tensor& column : step_logps) {
+    check(column, "step_logps[j]", at::kFloat, 1);
+    ECHO_CHECK_VALUE(column.size(0) >= batch && batch >= 0, "step_logps[j] must hold >= batch = ", batch,
+                     " rows; got ", column.sizes());
+    columns.push_back(column.contiguous());
+  }
+  const bool* kept = nullptr;
+  at::Tensor kept_t;
+  if (kept_in.has_value()) {
+    kept_t = kept_in->to(at::kBool).contiguous();
+    ECHO_CHECK_VALUE(kept_t.device().is_cpu() && kept_t.dim() == 1 && kept_t.size(0) == batch, "kept must be [",
+                     batch, "] on the CPU; got shape ", kept_t.sizes());
+    kept = kept_t.data_ptr<bool>();
+  }
+  const auto float_options = columns[0].options();
+  at::Tensor scores_t = at::empty({batch, depth}, float_options);
+  at::Tensor valid_t = at::empty({batch, depth}, float_options.dtype(at::kBool));
+  at::Tensor masked_t = at::empty({batch, depth}, float_options);
+  float* scores = scores_t.data_ptr<float>();
+  bool* valid = valid_t.data_ptr<bool>();
+  float* masked = masked_t.data_ptr<float>();
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < batch; ++r) {
+    double sum = 0.0;
+    const bool row_kept = kept == nullptr || kept[r];
+    for (int64_t j = 0; j < depth; ++j) {
+      sum += static_cast<double>(columns[j].data_ptr<float>()[r]);
+      const float score = static_cast<float>(sum);
+      const bool ok = std::isfinite(score) && row_kept;
+      scores[r * depth + j] = score;
+      valid[r * depth + j] = ok;
+      masked[r * depth + j] = ok ? score : minus_inf;
+    }
+  }
+  at::Tensor confidence_t = at::exp(masked_t);
+  auto [counts, depth_cap, truncated, predicted] = chain_select_cpu(
+      scores_t, valid_t, confidence_t, gate_on, tau, gain_table, rest, draft, base_tokens, k_cap, k_min, surplus_tail);
+  return {counts, depth_cap, truncated, predicted, scores_t, valid_t, confidence_t};
+}
+
 }  // namespace
 }  // namespace echo
 
-TORCH_LIBRARY_IMPL(echo, CPU, m) { m.impl("chain_select", &echo::chain_select_cpu); }
+TORCH_LIBRARY_IMPL(echo, CPU, m) {
+  m.impl("chain_select", &echo::chain_select_cpu);
+  m.impl("chain_select_logps", &echo::chain_select_logps_cpu);
+}
 
 // ---- echo::draft_argmax_logp (CPU): a chain draft step's token and its draft log-prob in one pass ----------
 //

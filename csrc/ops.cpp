@@ -114,6 +114,11 @@ TORCH_LIBRARY(echo, m) {
       "chain_select(Tensor scores, Tensor valid, Tensor confidence, Tensor gate_on, Tensor tau, Tensor gain_table, "
       "Tensor rest, Tensor draft, float base_tokens, int k_cap, int k_min, bool surplus_tail) -> (Tensor counts, "
       "Tensor depth_cap, Tensor truncated, Tensor predicted)");
+  m.def(
+      "chain_select_logps(Tensor[] step_logps, int batch, Tensor? kept, Tensor gate_on, Tensor tau, "
+      "Tensor gain_table, Tensor rest, Tensor draft, float base_tokens, int k_cap, int k_min, bool surplus_tail) -> "
+      "(Tensor counts, Tensor depth_cap, Tensor truncated, Tensor predicted, Tensor scores, Tensor valid, "
+      "Tensor confidence)");
   m.def("draft_argmax_logp(Tensor logits) -> (Tensor ids, Tensor logps)");
   m.def("draft_topk_logp(Tensor logits, int k) -> (Tensor ids, Tensor logps)");
   // A verified chain step's feedback in one call (feedback_cpu.cpp; caller: echo_vllm.ops.chain).

@@ -77,6 +77,71 @@ def test_op_equals_the_torch_specification(seed, batch, depth, extra_depth, k_ca
     assert got.predicted.dtype == torch.float64 and float(got.predicted) == float(want.predicted)  # bit for bit
 
 
+needs_logps_op = pytest.mark.skipif(
+    not chain_ops._LOGPS_DEFINED, reason="echo_vllm._C without chain_select_logps (make install)"
+)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Equal dtype and bits (NaN where NaN: the scores hold NaN drafts)."""
+    assert a.dtype == b.dtype
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@needs_logps_op
+@settings(max_examples=300, deadline=None)
+@given(
+    seed=st.integers(0, 100_000),
+    batch=st.integers(0, 40),
+    extra_rows=st.integers(0, 3),
+    depth=st.integers(1, 6),
+    extra_depth=st.integers(0, 2),
+    k_cap=st.integers(0, 120),
+    k_min=st.integers(0, 60),
+    surplus_tail=st.booleans(),
+    fixed=st.booleans(),
+    all_kept=st.booleans(),
+)
+def test_the_one_call_from_log_probs_equals_the_inputs_then_the_selection(
+    seed, batch, extra_rows, depth, extra_depth, k_cap, k_min, surplus_tail, fixed, all_kept
+):
+    """`chain_select_steps` (the op from the per-depth log-probs: its own cumsum in double, torch's exp) against
+    `chain_inputs` over the stacked first `batch` rows, then the torch specification: every output, bit for bit.
+    Rows past `batch` (vLLM's padded rows) are ignored; kept None means every row."""
+    assert chain_ops.compiled_chain_select(torch.device("cpu"))  # the op, not its torch twin, is under test
+    logps, kept, gate_on, tau, table, _, _ = _random_case(seed, batch + extra_rows, depth, depth + extra_depth)
+    rest, draft = _random_case(seed, max(batch, 1), depth, depth + extra_depth)[5:]
+    if batch == 0:
+        rest = rest[:1]
+    kept = None if all_kept else kept[:batch]
+    steps = [logps[:, j].contiguous() for j in range(depth)]
+    kw = {"base_tokens": float(batch), "k_cap": k_cap, "k_min": 0 if fixed else k_min, "surplus_tail": surplus_tail}
+    gains = None if fixed else table
+    got_inputs, got = chain_ops.chain_select_steps(steps, batch, kept, gate_on, tau, gains, rest, draft, **kw)
+    want_inputs = chain_inputs(logps[:batch], kept)
+    want = chain_select_reference(want_inputs, gate_on, tau, gains, rest, draft, **kw)
+    for a, b in zip(got_inputs, want_inputs):
+        _same(a, b)
+    for a, b in zip(got, want):
+        _same(a, b)
+
+
+@needs_logps_op
+def test_the_one_call_falls_back_to_torch_and_checks_its_inputs(monkeypatch):
+    logps, kept, gate_on, tau, table, rest, draft = _random_case(3, 6, 3, 4)
+    steps = [logps[:, j].contiguous() for j in range(3)]
+    kw = {"base_tokens": 6.0, "k_cap": 9, "surplus_tail": True}
+    fused = chain_ops.chain_select_steps(steps, 6, kept, gate_on, tau, table, rest, draft, **kw)
+    with pytest.raises(ValueError, match="must hold >= batch"):
+        chain_ops.chain_select_steps(steps, 7, None, gate_on, tau, table, rest, draft, **kw)
+    with pytest.raises(ValueError, match="kept must be"):
+        chain_ops.chain_select_steps(steps, 6, kept[:5], gate_on, tau, table, rest, draft, **kw)
+    monkeypatch.setenv(chain_ops.TORCH_PATH_ENV, "1")  # the torch twin: the same outputs
+    twin = chain_ops.chain_select_steps(steps, 6, kept, gate_on, tau, table, rest, draft, **kw)
+    for a, b in zip([*fused[0], *fused[1]], [*twin[0], *twin[1]]):
+        _same(a, b)
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     seed=st.integers(0, 100_000),

@@ -3,6 +3,8 @@
 
 * `chain_select`: the step's gates and budget cut; twin: `echo_vllm.core.chain_select.chain_select_reference`
   (bit for bit);
+* `chain_select_logps`: `chain_inputs` and `chain_select` in one call from the per-depth log-probs (the proposer's
+  path); twin: `chain_inputs` over the stacked log-probs, then `chain_select` (bit for bit);
 * `draft_argmax_logp`: a draft step's argmax token and its log-prob; twin: `draft_argmax_logp_reference`
   (max + logsumexp: the same token, the log-prob to float rounding);
 * `draft_topk_logp`: a tree draft step's top-k tokens and their log-probs; twin: `draft_topk_logp_reference`
@@ -13,11 +15,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from echo_vllm import ops as _ops
 from echo_vllm.core.chain_feedback import ChainFeedback, chain_feedback_reference
-from echo_vllm.core.chain_select import ChainInputs, ChainSelection, chain_select_reference
+from echo_vllm.core.chain_select import ChainInputs, ChainSelection, chain_inputs, chain_select_reference
 from echo_vllm.core.tree import topk_stable
 
 TORCH_PATH_ENV = "ECHO_VLLM_CHAIN_TORCH"
@@ -25,6 +29,7 @@ _NO_TABLE = torch.empty(0, dtype=torch.float32)
 _DEFINED = _ops.ops_defined("chain_select", "draft_argmax_logp")
 _TOPK_DEFINED = _ops.ops_defined("draft_topk_logp")  # newer than the chain ops: an older build has those only
 _FEEDBACK_DEFINED = _ops.ops_defined("chain_feedback")  # newer still
+_LOGPS_DEFINED = _ops.ops_defined("chain_select_logps")  # newest: an older build has the rest only
 _GATE = _ops.CpuOpsGate(
     TORCH_PATH_ENV, "ECHO chain steps: torch draft log-probs, gates and budget cut", "the chain ops"
 )
@@ -61,6 +66,38 @@ def chain_select(
         float(base_tokens), int(k_cap), int(k_min), bool(surplus_tail),
     )  # fmt: skip
     return ChainSelection(counts, depth_cap, truncated, predicted)
+
+
+def chain_select_steps(
+    step_logps: Sequence[torch.Tensor],
+    batch: int,
+    kept: torch.Tensor | None,
+    gate_on: torch.Tensor,
+    tau: torch.Tensor,
+    gain_table: torch.Tensor | None,
+    rest_seconds: torch.Tensor,
+    draft_seconds: torch.Tensor,
+    *,
+    base_tokens: float,
+    k_cap: int,
+    k_min: int = 0,
+    surplus_tail: bool,
+) -> tuple[ChainInputs, ChainSelection]:
+    """A chain step's inputs (`chain_inputs` of the first `batch` rows of the per-depth log-probs [B'] stacked) and
+    its selection (`chain_select`): one op call where `echo::chain_select_logps` serves (float32 log-probs)."""
+    device = step_logps[0].device
+    if not (compiled_chain_select(device) and _LOGPS_DEFINED and all(t.dtype == torch.float32 for t in step_logps)):
+        inputs = chain_inputs(torch.stack(list(step_logps), dim=1)[:batch], kept)
+        selection = chain_select(
+            inputs, gate_on, tau, gain_table, rest_seconds, draft_seconds,
+            base_tokens=base_tokens, k_cap=k_cap, k_min=k_min, surplus_tail=surplus_tail,
+        )  # fmt: skip
+        return inputs, selection
+    counts, depth_cap, truncated, predicted, scores, valid, confidence = torch.ops.echo.chain_select_logps(
+        list(step_logps), int(batch), kept, gate_on, tau, _NO_TABLE if gain_table is None else gain_table,
+        rest_seconds, draft_seconds, float(base_tokens), int(k_cap), int(k_min), bool(surplus_tail),
+    )  # fmt: skip
+    return ChainInputs(scores, valid, confidence), ChainSelection(counts, depth_cap, truncated, predicted)
 
 
 def draft_argmax_logp_reference(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -56,7 +56,7 @@ from echo_vllm.core.width_schedule import WidthSchedule
 from echo_vllm.ops import select_budget
 from echo_vllm.ops.chain import (
     chain_feedback,
-    chain_select,
+    chain_select_steps,
     compiled_chain_select,
     draft_argmax_logp,
     draft_topk_logp,
@@ -822,16 +822,18 @@ class EchoProposer(EagleProposer):
             if batch:  # a budget-0 step on /metrics too (K_i = 0 for every request)
                 self.prom.on_step(self, [0] * batch, 0)
             return [[] for _ in range(batch)]
-        logps = torch.stack(self._echo_logps[-depth:], dim=1)[:batch]  # [B, depth]
         self._stage = "gates"
         self.faults.maybe_inject("gates")
         cap = self._plan.k_cap
         tree: DraftTree | None = None
         selection: BudgetSelection | None = None
         if not self._tree_step and self.phase != "profile" and compiled_chain_select(drafts.device):
-            counts_t, confidence, depth_cap, truncated, predicted = self._fused_chain_selection(logps, batch, depth)
+            counts_t, confidence, depth_cap, truncated, predicted = self._fused_chain_selection(batch, depth)
         else:
-            tree = self._sibling_tree(batch, depth) if self._tree_step else self._chain_tree(drafts, logps)
+            if self._tree_step:
+                tree = self._sibling_tree(batch, depth)
+            else:
+                tree = self._chain_tree(drafts, torch.stack(self._echo_logps[-depth:], dim=1)[:batch])  # [B, depth]
             confidence = depth_confidence(tree)
             gates = self._gates(confidence)
             self._stage = "select"
@@ -885,28 +887,32 @@ class EchoProposer(EagleProposer):
         return ragged
 
     def _fused_chain_selection(
-        self, logps: torch.Tensor, batch: int, depth: int
+        self, batch: int, depth: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """A chain step's gates and budget in one op call (`echo::chain_select`; the same selection as the torch
-        path of `_select`, tested bit for bit): (counts, confidence, depth_cap, truncated, predicted or None)."""
-        inputs = chain_inputs(logps, self._kept_rows_unless_all(batch))
-        gate_on, tau = self._gate_tensors(logps.device)
+        """A chain step's inputs, gates and budget in one op call (`echo::chain_select_logps` over the per-depth
+        log-probs; the same selection as the torch path of `_select`, tested bit for bit): (counts, confidence,
+        depth_cap, truncated, predicted or None)."""
+        step_logps = self._echo_logps[-depth:]
+        device = step_logps[0].device
+        kept = self._kept_rows_unless_all(batch)
+        gate_on, tau = self._gate_tensors(device)
         self._stage = "select"
         self.faults.maybe_inject("select")
         plan, budget, tail = self._plan, self.budget, self.echo_settings.surplus_tail
         if budget is not None and budget.phase(self.warming_up) == "auto" and self._budget_cuts:
-            rest, draft = budget.curves(batch, batch * depth, depth, plan.depth, logps.device)
+            rest, draft = budget.curves(batch, batch * depth, depth, plan.depth, device)
             k_min = plan.k_cap if plan.probe else 0  # a probe verifies all it drafted: every depth is measured
-            result = chain_select(
-                inputs, gate_on, tau, budget.acceptance.table, rest, draft,
+            inputs, result = chain_select_steps(
+                step_logps, batch, kept, gate_on, tau, budget.acceptance.table, rest, draft,
                 base_tokens=float(batch), k_cap=plan.k_cap, k_min=k_min, surplus_tail=tail,
             )  # fmt: skip
             return result.counts, inputs.confidence, result.depth_cap, result.truncated, result.predicted
         # An integer k_max, or the warm-up of "auto" (its cap): the first k_cap candidates.
         none = self._no_seconds
-        result = chain_select(
-            inputs, gate_on, tau, None, none, none, base_tokens=float(batch), k_cap=plan.k_cap, surplus_tail=tail
-        )
+        inputs, result = chain_select_steps(
+            step_logps, batch, kept, gate_on, tau, None, none, none,
+            base_tokens=float(batch), k_cap=plan.k_cap, surplus_tail=tail,
+        )  # fmt: skip
         return result.counts, inputs.confidence, result.depth_cap, result.truncated, None
 
     def _gate_tensors(self, device: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,10 @@
 //   gate_on [D] bool, tau [D] f32: the calibrated gates (all off: no gates); depths > d count as open
 //   gain_table [D, bins] f32 or empty: the acceptance table (empty: the fixed rule, the first k_cap candidates)
 //   rest [B * d + 1] f64, draft [d + 1] f64: the cost model's seconds (see core/auto_budget.choose_budget)
+//   history [B', 2] f64 (B' >= B) or empty: each request's running averages of accepted and expected drafts; its
+//            factor f = (accepted + prior) / (expected + prior), computed in double and rounded to float, scales
+//            its gains (min(f x p, 1)) and orders its nodes by f x confidence instead of the path score (gates
+//            read the raw confidence); see echo_vllm/core/chain_select.py
 // Outputs: counts [B] i32 (each row's selection is a prefix of its chain), depth_cap [B] i32, truncated [B]
 // bool, predicted [] f64 (expected accepted drafts of the selection; 0 under the fixed rule).
 #include <ATen/ATen.h>
@@ -49,7 +53,8 @@ void check(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> chain_select_cpu(
     const at::Tensor& scores_in, const at::Tensor& valid_in, const at::Tensor& confidence_in,
     const at::Tensor& gate_on_in, const at::Tensor& tau_in, const at::Tensor& gain_table_in, const at::Tensor& rest_in,
-    const at::Tensor& draft_in, double base_tokens, int64_t k_cap, int64_t k_min, bool surplus_tail) {
+    const at::Tensor& draft_in, double base_tokens, int64_t k_cap, int64_t k_min, bool surplus_tail,
+    const at::Tensor& history_in, double history_prior) {
   check(scores_in, "scores", at::kFloat, 2);
   check(valid_in, "valid", at::kBool, 2);
   check(confidence_in, "confidence", at::kFloat, 2);
@@ -75,6 +80,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> chain_select_cpu(
                      draft_in.sizes());
   }
   ECHO_CHECK_VALUE(k_cap >= 0 && k_min >= 0, "k_cap and k_min must be >= 0; got ", k_cap, " and ", k_min);
+  const bool with_history = history_in.numel() > 0;
+  if (with_history) {
+    check(history_in, "history", at::kDouble, 2);
+    ECHO_CHECK_VALUE(history_in.size(0) >= batch && history_in.size(1) == 2, "history must be [B', 2] with B' >= B = ",
+                     batch, "; got ", history_in.sizes());
+    ECHO_CHECK_VALUE(history_prior > 0.0, "history_prior must be > 0; got ", history_prior);
+  }
 
   at::Tensor counts_t = at::zeros({batch}, scores_in.options().dtype(at::kInt));
   at::Tensor cap_t = at::full({batch}, max_depth, scores_in.options().dtype(at::kInt));
@@ -111,18 +123,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> chain_select_cpu(
     truncated[b] = closed_any;
   }
 
-  // ECHO's order (core.auto_budget.priority_rank): depth candidates, then (surplus_tail) the tails of truncated
-  // requests; within a class path score descending, depth ascending, flat index ascending. Ineligible nodes rank
-  // after every eligible one and are never selected, so only the eligible ones are sorted.
+  // The requests' history factors and the order's key per node: the path score, or with a history f x confidence
+  // (float products, as the reference's tensor product).
   const int64_t num_nodes = batch * depth;
+  std::vector<float> factor;
+  std::vector<float> key_store;
+  const float* key = scores;
+  if (with_history) {
+    const at::Tensor history_t = history_in.contiguous();
+    const double* history = history_t.data_ptr<double>();
+    factor.resize(batch);
+    key_store.resize(num_nodes);
+    for (int64_t b = 0; b < batch; ++b) {
+      factor[b] = static_cast<float>((history[b * 2] + history_prior) / (history[b * 2 + 1] + history_prior));
+      for (int64_t j = 0; j < depth; ++j) key_store[b * depth + j] = conf[b * depth + j] * factor[b];
+    }
+    key = key_store.data();
+  }
+
+  // ECHO's order (core.auto_budget.priority_rank): depth candidates, then (surplus_tail) the tails of truncated
+  // requests; within a class path score (or the history key) descending, depth ascending, flat index ascending.
+  // Ineligible nodes rank after every eligible one and are never selected, so only the eligible ones are sorted.
   std::vector<int32_t> prio(num_nodes, kClassNone);
   std::vector<int64_t> order;
   order.reserve(num_nodes);
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t j = 0; j < depth; ++j) {
       const int64_t n = b * depth + j;
-      const float s = scores[n];
-      if (!valid[n] || s != s) continue;
+      const float s = key[n];
+      if (!valid[n] || scores[n] != scores[n] || s != s) continue;
       if (j + 1 <= depth_cap[b]) {
         prio[n] = kClassDepth;
       } else if (surplus_tail && truncated[b]) {
@@ -136,7 +165,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> chain_select_cpu(
   // +0.0 folds -0.0 (C++ compares them equal already); NaN never reaches here.
   std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
     if (prio[x] != prio[y]) return prio[x] < prio[y];
-    if (scores[x] != scores[y]) return scores[x] > scores[y];
+    if (key[x] != key[y]) return key[x] > key[y];
     const int64_t dx = x % depth, dy = y % depth;
     if (dx != dy) return dx < dy;
     return x < y;
@@ -165,6 +194,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> chain_select_cpu(
         const int64_t bin = std::min<int64_t>(static_cast<int64_t>(c * static_cast<float>(bins)), bins - 1);
         const int64_t row = std::min<int64_t>(std::max<int64_t>(j, 0), max_depth - 1);
         p = table[row * bins + bin];
+        if (with_history) p = std::min(p * factor[b], 1.0f);
       }
       running = std::min(running, p);
       gain[n] = running;
@@ -225,7 +255,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> chain_select_cpu(
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> chain_select_logps_cpu(
     at::TensorList step_logps, int64_t batch, const std::optional<at::Tensor>& kept_in, const at::Tensor& gate_on,
     const at::Tensor& tau, const at::Tensor& gain_table, const at::Tensor& rest, const at::Tensor& draft,
-    double base_tokens, int64_t k_cap, int64_t k_min, bool surplus_tail) {
+    double base_tokens, int64_t k_cap, int64_t k_min, bool surplus_tail, const at::Tensor& history,
+    double history_prior) {
   const int64_t depth = static_cast<int64_t>(step_logps.size());
   ECHO_CHECK_VALUE(depth >= 1, "step_logps must hold one [B] tensor per drafted depth; got none");
   std::vector<at::Tensor> columns;
@@ -266,7 +297,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   }
   at::Tensor confidence_t = at::exp(masked_t);
   auto [counts, depth_cap, truncated, predicted] = chain_select_cpu(
-      scores_t, valid_t, confidence_t, gate_on, tau, gain_table, rest, draft, base_tokens, k_cap, k_min, surplus_tail);
+      scores_t, valid_t, confidence_t, gate_on, tau, gain_table, rest, draft, base_tokens, k_cap, k_min, surplus_tail,
+      history, history_prior);
   return {counts, depth_cap, truncated, predicted, scores_t, valid_t, confidence_t};
 }
 

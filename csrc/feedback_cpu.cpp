@@ -14,6 +14,11 @@
 //   confidence [B, D] f32    the drafting step's depth confidences (0 past its drafted depth)
 //   seen, hits [D, bins] f64 the acceptance table's counts, added to in place when record_acceptance
 //   drafted                  the drafting step's depth (<= D), for the level histograms
+//   history [B'', 2] f64     or empty: per row of the drafting step's batch (B'' >= B), running averages of accepted
+//                            drafts and of the drafts the table expected of the verified nodes; each verified row's
+//                            pair moves by weight alpha towards (accepted, expected), in place
+//   gain_table [D, bins'] f32 the acceptance table (empty when history is): expected = the sum over the verified
+//                            prefix of the table at (depth, bin of the confidence), running minimum along the chain
 // Outputs: accepted [R] i64 (emitted - 1, >= 0); sums [5] f64 (rows, emitted, accepted, verified, verified depth);
 // levels [(n + 1)^2 + (n + 1)] i64 with n = drafted + 1: the (reach, accepted) histogram then the node-depth
 // histogram of `level_counts` (echo_vllm/core/time_budget.py).
@@ -27,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <tuple>
 
 namespace echo {
@@ -49,7 +55,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chain_feedback_cpu(const at::Tens
                                                                   const at::Tensor& old_in, const at::Tensor& verified_in,
                                                                   const at::Tensor& confidence_in, at::Tensor seen,
                                                                   at::Tensor hits, int64_t drafted,
-                                                                  bool record_acceptance) {
+                                                                  bool record_acceptance, at::Tensor history,
+                                                                  const at::Tensor& gain_table_in, double alpha) {
   ECHO_CHECK_VALUE(sampled_in.device().is_cpu(), "sampled must be a CPU tensor; got ", sampled_in.device());
   ECHO_CHECK_VALUE(sampled_in.dim() == 2, "sampled must be [B, W]; got shape ", sampled_in.sizes());
   ECHO_CHECK_TYPE(sampled_in.scalar_type() == at::kInt || sampled_in.scalar_type() == at::kLong,
@@ -70,6 +77,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chain_feedback_cpu(const at::Tens
   ECHO_CHECK_VALUE(seen.is_contiguous() && hits.is_contiguous() && seen.device().is_cpu() && hits.device().is_cpu(),
                    "seen and hits must be contiguous CPU tensors");
   ECHO_CHECK_VALUE(drafted >= 0 && drafted <= depth, "drafted must be in [0, ", depth, "]; got ", drafted);
+  const bool with_history = history.numel() > 0;
+  if (with_history) {
+    ECHO_CHECK_VALUE(history.device().is_cpu() && history.dim() == 2 && history.size(0) >= confidence_in.size(0) &&
+                         history.size(1) == 2 && history.is_contiguous(),
+                     "history must be a contiguous [B', 2] CPU tensor with B' >= ", confidence_in.size(0),
+                     " rows; got ", history.sizes());
+    ECHO_CHECK_TYPE(history.scalar_type() == at::kDouble, "history must be float64; got ", history.scalar_type());
+    ECHO_CHECK_VALUE(gain_table_in.device().is_cpu() && gain_table_in.dim() == 2 &&
+                         gain_table_in.size(0) == confidence_in.size(1) && gain_table_in.size(1) >= 1,
+                     "gain_table must be [D, bins] with D = ", confidence_in.size(1), "; got ", gain_table_in.sizes());
+    ECHO_CHECK_TYPE(gain_table_in.scalar_type() == at::kFloat, "gain_table must be float32; got ",
+                    gain_table_in.scalar_type());
+    ECHO_CHECK_VALUE(alpha >= 0.0 && alpha <= 1.0, "alpha must be in [0, 1]; got ", alpha);
+  }
   const at::Tensor sampled = sampled_in.contiguous(), confidence = confidence_in.contiguous();
   const at::Tensor cur = cur_in.contiguous(), old = old_in.contiguous(), verified = verified_in.contiguous();
   const int64_t batch = sampled.size(0), width = sampled.size(1), old_batch = confidence.size(0);
@@ -95,6 +116,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chain_feedback_cpu(const at::Tens
   const float* conf = confidence.data_ptr<float>();
   double* seen_p = seen.data_ptr<double>();
   double* hits_p = hits.data_ptr<double>();
+  const at::Tensor gain_table = with_history ? gain_table_in.contiguous() : gain_table_in;
+  const float* table = with_history ? gain_table.data_ptr<float>() : nullptr;
+  const int64_t table_bins = with_history ? gain_table.size(1) : 0;
+  double* history_p = with_history ? history.data_ptr<double>() : nullptr;
 
   AT_DISPATCH_INDEX_TYPES(sampled.scalar_type(), "chain_feedback", [&] {
     const index_t* tokens = sampled.data_ptr<index_t>();
@@ -112,8 +137,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> chain_feedback_cpu(const at::Tens
       joint[std::min(reach, n) * size + std::min(acc, n)] += 1;
       nodes[0] += depth - reach;
       for (int64_t j = 1; j <= reach; ++j) nodes[std::min(j, n)] += 1;
-      if (!record_acceptance) continue;
       const float* row = conf + old_p[r] * depth;
+      if (with_history) {
+        // The table's expectation of the verified prefix: float gains with a running minimum, summed in double in
+        // depth order (the reference adds the same values in the same order).
+        double expected = 0.0;
+        float running = std::numeric_limits<float>::infinity();
+        for (int64_t d = 0; d < std::min<int64_t>(ver, depth); ++d) {
+          float c = row[d];
+          c = std::isnan(c) ? 0.0f : std::min(std::max(c, 0.0f), 1.0f);
+          const int64_t bin = std::min<int64_t>(
+              std::max<int64_t>(static_cast<int64_t>(c * static_cast<float>(table_bins)), 0), table_bins - 1);
+          running = std::min(running, table[d * table_bins + bin]);
+          expected += static_cast<double>(running);
+        }
+        double* pair = history_p + old_p[r] * 2;
+        pair[0] = (1.0 - alpha) * pair[0] + alpha * static_cast<double>(acc);
+        pair[1] = (1.0 - alpha) * pair[1] + alpha * expected;
+      }
+      if (!record_acceptance) continue;
       for (int64_t d = 0; d < depth; ++d) {
         // confidence_bins: NaN -> 0, clamp to [0, 1], float32 product truncated, the top bin closed.
         float c = row[d];

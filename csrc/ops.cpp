@@ -112,19 +112,20 @@ TORCH_LIBRARY(echo, m) {
   // A chain step's gates, order and budget cut in one call (chain_cpu.cpp; caller: echo_vllm.ops.chain).
   m.def(
       "chain_select(Tensor scores, Tensor valid, Tensor confidence, Tensor gate_on, Tensor tau, Tensor gain_table, "
-      "Tensor rest, Tensor draft, float base_tokens, int k_cap, int k_min, bool surplus_tail) -> (Tensor counts, "
-      "Tensor depth_cap, Tensor truncated, Tensor predicted)");
+      "Tensor rest, Tensor draft, float base_tokens, int k_cap, int k_min, bool surplus_tail, Tensor history, "
+      "float history_prior) -> (Tensor counts, Tensor depth_cap, Tensor truncated, Tensor predicted)");
   m.def(
       "chain_select_logps(Tensor[] step_logps, int batch, Tensor? kept, Tensor gate_on, Tensor tau, "
-      "Tensor gain_table, Tensor rest, Tensor draft, float base_tokens, int k_cap, int k_min, bool surplus_tail) -> "
-      "(Tensor counts, Tensor depth_cap, Tensor truncated, Tensor predicted, Tensor scores, Tensor valid, "
-      "Tensor confidence)");
+      "Tensor gain_table, Tensor rest, Tensor draft, float base_tokens, int k_cap, int k_min, bool surplus_tail, "
+      "Tensor history, float history_prior) -> (Tensor counts, Tensor depth_cap, Tensor truncated, "
+      "Tensor predicted, Tensor scores, Tensor valid, Tensor confidence)");
   m.def("draft_argmax_logp(Tensor logits) -> (Tensor ids, Tensor logps)");
   m.def("draft_topk_logp(Tensor logits, int k) -> (Tensor ids, Tensor logps)");
   // A verified chain step's feedback in one call (feedback_cpu.cpp; caller: echo_vllm.ops.chain).
   m.def(
       "chain_feedback(Tensor sampled, Tensor cur, Tensor old, Tensor verified, Tensor confidence, Tensor(a!) seen, "
-      "Tensor(b!) hits, int drafted, bool record_acceptance) -> (Tensor accepted, Tensor sums, Tensor levels)");
+      "Tensor(b!) hits, int drafted, bool record_acceptance, Tensor(c!) history, Tensor gain_table, float alpha) -> "
+      "(Tensor accepted, Tensor sums, Tensor levels)");
 }
 
 // ---- Python module stub: importing echo_vllm._C loads the library and runs the registrations above. ----

@@ -119,6 +119,15 @@ class EchoSettings(BaseModel):
         "it, averaged over recent steps, exceeds this many standard errors of the per-step difference; 0 = always "
         "the depth worth most on average (neighbouring depths worth nearly the same then swap with the noise).",
     )
+    request_history: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="k_max 'auto', vLLM chains: when > 0, the weight of a verified step in each request's running "
+        "averages of its accepted drafts and of the drafts the acceptance table expected of it; their ratio scales "
+        "the request's acceptance estimates and its place in ECHO's order (gates unchanged), so that requests "
+        "accepted more often than their confidences say are verified first. 0 = off.",
+    )
     plain_head_rows: Literal["batch", "measured"] = Field(
         default="measured",
         description="k_max 'auto' with defer_plain_head: what the depth plan charges a plain step for the head "

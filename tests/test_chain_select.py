@@ -9,9 +9,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from echo_vllm.core.acceptance import AcceptanceModel
-from echo_vllm.core.auto_budget import DraftPlan
+from echo_vllm.core.auto_budget import DraftPlan, drafting_can_stop
 from echo_vllm.core.budget import add_surplus_tails
-from echo_vllm.core.chain_select import ChainInputs, chain_gates, chain_inputs, chain_select_reference, chain_tree
+from echo_vllm.core.chain_select import (
+    HISTORY_PRIOR,
+    ChainInputs,
+    chain_gates,
+    chain_inputs,
+    chain_select_reference,
+    chain_tree,
+    history_factor,
+)
 from echo_vllm.core.cost_model import CostModel
 from echo_vllm.core.gating import Gates, depth_confidence
 from echo_vllm.core.time_budget import TimeAwareBudget
@@ -53,6 +61,15 @@ def _random_case(seed: int, batch: int, depth: int, max_depth: int):
     return logps, kept, gate_on, tau, table, rest, draft
 
 
+def _random_history(seed: int, rows: int, depth: int) -> torch.Tensor:
+    """[rows, 2] float64 running averages (accepted, expected): zeros (new requests), equal pairs (factor 1) and
+    factors from ~0.3 to ~3, on a grid so that equal keys across requests occur."""
+    gen = torch.Generator().manual_seed(seed + 7)
+    history = torch.randint(0, 2 * depth + 1, (rows, 2), generator=gen).to(torch.float64) / 2.0
+    history[torch.rand(rows, generator=gen) < 0.2] = 0.0
+    return history
+
+
 @needs_op
 @settings(max_examples=300, deadline=None)
 @given(
@@ -64,12 +81,17 @@ def _random_case(seed: int, batch: int, depth: int, max_depth: int):
     k_min=st.integers(0, 60),  # above the eligible count too (a probe over dropped rows)
     surplus_tail=st.booleans(),
     fixed=st.booleans(),
+    with_history=st.booleans(),
 )
-def test_op_equals_the_torch_specification(seed, batch, depth, extra_depth, k_cap, k_min, surplus_tail, fixed):
+def test_op_equals_the_torch_specification(
+    seed, batch, depth, extra_depth, k_cap, k_min, surplus_tail, fixed, with_history
+):
     logps, kept, gate_on, tau, table, rest, draft = _random_case(seed, batch, depth, depth + extra_depth)
     inputs = chain_inputs(logps, kept)
     args = (inputs, gate_on, tau, None if fixed else table, rest, draft)
     kw = {"base_tokens": float(batch), "k_cap": k_cap, "k_min": 0 if fixed else k_min, "surplus_tail": surplus_tail}
+    if with_history:  # more rows than the batch: the op reads the first B
+        kw |= {"history": _random_history(seed, batch + seed % 3, depth), "history_prior": 0.5 + seed % 4}
     want = chain_select_reference(*args, **kw)
     got = chain_ops.chain_select(*args, **kw)
     assert torch.equal(got.counts, want.counts)
@@ -101,9 +123,10 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> None:
     surplus_tail=st.booleans(),
     fixed=st.booleans(),
     all_kept=st.booleans(),
+    with_history=st.booleans(),
 )
 def test_the_one_call_from_log_probs_equals_the_inputs_then_the_selection(
-    seed, batch, extra_rows, depth, extra_depth, k_cap, k_min, surplus_tail, fixed, all_kept
+    seed, batch, extra_rows, depth, extra_depth, k_cap, k_min, surplus_tail, fixed, all_kept, with_history
 ):
     """`chain_select_steps` (the op from the per-depth log-probs: its own cumsum in double, torch's exp) against
     `chain_inputs` over the stacked first `batch` rows, then the torch specification: every output, bit for bit.
@@ -116,6 +139,8 @@ def test_the_one_call_from_log_probs_equals_the_inputs_then_the_selection(
     kept = None if all_kept else kept[:batch]
     steps = [logps[:, j].contiguous() for j in range(depth)]
     kw = {"base_tokens": float(batch), "k_cap": k_cap, "k_min": 0 if fixed else k_min, "surplus_tail": surplus_tail}
+    if with_history:
+        kw["history"] = _random_history(seed, batch + extra_rows, depth)
     gains = None if fixed else table
     got_inputs, got = chain_ops.chain_select_steps(steps, batch, kept, gate_on, tau, gains, rest, draft, **kw)
     want_inputs = chain_inputs(logps[:batch], kept)
@@ -380,3 +405,58 @@ def test_no_kept_mask_means_every_row_is_kept(seed):
     got, want = chain_inputs(logps, None), chain_inputs(logps, torch.ones_like(kept))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)  # the scores hold NaN drafts
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    seed=st.integers(0, 100_000),
+    batch=st.integers(1, 24),
+    depth=st.integers(2, 5),
+    k_cap=st.integers(0, 60),
+    surplus_tail=st.booleans(),
+    fixed=st.booleans(),
+)
+def test_early_exit_on_history_keys_selects_what_full_drafting_selects(seed, batch, depth, k_cap, surplus_tail, fixed):
+    """The proposer's early exit with a request history tests `drafting_can_stop` on the keys the selection orders
+    by (f x confidence, non-increasing along a chain): stopping where it says gives the full chains' selection."""
+    logps, kept, gate_on, tau, table, rest, draft = _random_case(seed, batch, depth, depth)
+    history = _random_history(seed, batch, depth)
+    kw = {"base_tokens": float(batch), "k_cap": k_cap, "k_min": 0, "surplus_tail": surplus_tail, "history": history}
+    gains = None if fixed else table
+    want = chain_select_reference(chain_inputs(logps, kept), gate_on, tau, gains, rest, draft, **kw)
+    factor = history_factor(history, batch, HISTORY_PRIOR).unsqueeze(1)
+    for d in range(1, depth):
+        inputs = chain_inputs(logps[:, :d], kept)
+        gates = chain_gates(inputs.confidence, gate_on, tau)
+        if bool(drafting_can_stop(inputs.confidence * factor, inputs.valid, gates, k_cap, surplus_tail)):
+            got = chain_select_reference(inputs, gate_on, tau, gains, rest[: batch * d + 1], draft[: d + 1], **kw)
+            assert torch.equal(got.counts, want.counts), (d, got.counts, want.counts)
+            break
+
+
+def test_a_request_history_reorders_and_scales_the_gains():
+    """Two requests with equal drafts: the one accepted more often than expected is verified first, and its gains
+    (hence the expected accepted drafts of the cut) scale by its factor, capped at 1."""
+    logps = torch.log(torch.tensor([[0.5, 0.5], [0.5, 0.5]]))
+    inputs = chain_inputs(logps, None)
+    gate_on, tau = torch.zeros(2, dtype=torch.bool), torch.zeros(2)
+    history = torch.tensor([[0.0, 1.0], [3.0, 1.0]], dtype=torch.float64)  # factors 2/3 and 5/3 (prior 2)
+    fixed = chain_select_reference(
+        inputs, gate_on, tau, None, NO_SECONDS, NO_SECONDS, base_tokens=2.0, k_cap=2, k_min=0, surplus_tail=True,
+        history=history,
+    )  # fmt: skip
+    assert fixed.counts.tolist() == [0, 2]  # without the history: [1, 1] (equal scores, lower index first)
+    plain = chain_select_reference(
+        inputs, gate_on, tau, None, NO_SECONDS, NO_SECONDS, base_tokens=2.0, k_cap=2, k_min=0, surplus_tail=True
+    )
+    assert plain.counts.tolist() == [1, 1]
+    table = torch.full((2, 16), 0.4)
+    flat = torch.full((5,), 1.0, dtype=torch.float64)  # verification is free: everything worth anything is taken
+    auto = chain_select_reference(
+        inputs, gate_on, tau, table, flat, torch.zeros(3, dtype=torch.float64), base_tokens=2.0, k_cap=4, k_min=0,
+        surplus_tail=True, history=history,
+    )  # fmt: skip
+    want = 2 * float(torch.tensor(0.4) * torch.tensor(2 / 3, dtype=torch.float64).float()) + 2 * float(
+        torch.clamp(torch.tensor(0.4) * torch.tensor(5 / 3, dtype=torch.float64).float(), max=1.0)
+    )
+    assert auto.counts.tolist() == [2, 2] and float(auto.predicted) == pytest.approx(want, rel=1e-6)

@@ -216,6 +216,44 @@ def test_fused_chain_feedback_equals_the_op_by_op_path(sweep):
     assert fused.budget.acceptance.seen.sum() > 0 and fused.stats.verify_steps == 12  # not vacuous
 
 
+def test_chain_feedback_moves_the_request_history_of_the_verified_rows():
+    """With request_history, a verified chain step moves each verified request's pair (accepted, expected) in the
+    drafting step's row order, exactly as `update_history`; a step drafted without it leaves the history alone."""
+    from echo_vllm.core.chain_feedback import update_history
+    from echo_vllm.core.metrics import EchoMetrics
+    from echo_vllm.core.request_history import RequestHistory
+    from echo_vllm.core.time_budget import TimeAwareBudget
+    from echo_vllm.vllm.proposer import EchoProposer, PendingVerification
+
+    proposer = object.__new__(EchoProposer)
+    proposer.stats, proposer._step_log, proposer.max_depth = EchoMetrics(DEPTH), False, DEPTH
+    proposer.calibration, proposer.echo_settings = object(), types.SimpleNamespace(warmup_steps=0)
+    proposer.tree_accepted, proposer._scratch_table = None, None
+    proposer.budget = TimeAwareBudget(DEPTH, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None)
+    proposer.budget.acceptance.table = torch.linspace(0.1, 0.9, DEPTH * 16).reshape(DEPTH, 16)
+    proposer.history = RequestHistory(0.5)
+    ids = ["a", "b", "c"]
+    proposer.history.align(ids)
+    proposer.history.rows[:3] = torch.tensor([[1.0, 1.0], [0.5, 2.0], [2.0, 0.25]], dtype=torch.float64)
+    confidence = torch.tensor([[0.9, 0.7, 0.2, 0.0], [0.5, 0.3, 0.0, 0.0], [0.95, 0.9, 0.85, 0.8]])
+    sampled = torch.tensor([[5, 6, 7, -1, -1], [8, -1, -1, -1, -1], [1, 2, 3, 4, 5]], dtype=torch.int64)
+    now = ["c", "a", "b"]  # the verifying step's order: rows map back through the ids
+    metadata = types.SimpleNamespace(num_draft_tokens=[4, 3, 2])
+    want = proposer.history.rows.clone()
+    update_history(
+        want, torch.tensor([2, 0, 1]), torch.tensor([4, 3, 2]), torch.tensor([4, 2, 0]),
+        confidence[[2, 0, 1]], proposer.budget.acceptance.table, 0.5,
+    )  # fmt: skip
+    for history_step in (False, True):
+        before = proposer.history.rows.clone()
+        proposer._pending = PendingVerification(ids, confidence.clone(), True, DEPTH, history=history_step)
+        proposer._observe(now, sampled[[2, 0, 1]], metadata)
+        if not history_step:
+            assert torch.equal(proposer.history.rows, before)
+    assert torch.equal(proposer.history.rows, want)
+    assert want[0, 0] == 0.5 * 1.0 + 0.5 * 2  # request a accepted 2 of its 3 verified drafts
+
+
 def test_a_planned_plain_step_feeds_the_depth_plan():
     """A step planned plain drafts nothing and leaves nothing pending, so its hindsight is taken at selection; only
     in the auto phase (warm-up and profile steps follow their own sweeps)."""

@@ -45,10 +45,16 @@ def chain_feedback_reference(
     hits: torch.Tensor,
     drafted: int,
     record_acceptance: bool,
+    history: torch.Tensor | None = None,
+    gain_table: torch.Tensor | None = None,
+    alpha: float = 0.0,
 ) -> ChainFeedback:
     """sampled [B', W] (-1 = no token), cur / old / verified [R] int64 (rows in `sampled`, rows in `confidence`,
     drafts verified), confidence [B, D] float32; seen / hits [D, bins] float64: an acceptance table's counts
-    (linear bins), added to in place when `record_acceptance` (`AcceptanceModel.record`)."""
+    (linear bins), added to in place when `record_acceptance` (`AcceptanceModel.record`).
+    history [B'', 2] float64 (rows of `confidence`'s batch) with gain_table [D, bins'] float32: each verified row's
+    running averages of accepted drafts and of the drafts the table expected of its verified prefix move by weight
+    `alpha` towards this step's (`update_history`; the requests' factors of `chain_select_reference`)."""
     emitted = (sampled[cur] != -1).sum(dim=1)
     accepted = (emitted - 1).clamp(min=0)
     d = confidence.shape[1]
@@ -64,4 +70,38 @@ def chain_feedback_reference(
         hit = (depths < accepted.unsqueeze(1)).reshape(-1).to(torch.float64) * keep
         seen.view(-1).index_add_(0, flat, keep)
         hits.view(-1).index_add_(0, flat, hit)
+    if history is not None and history.numel():
+        assert gain_table is not None, "a history needs the gain table"
+        update_history(history, old, verified, accepted, confidence[old], gain_table, alpha)
     return ChainFeedback(accepted, sums, level_histograms(accepted, node_depths, drafted))
+
+
+def expected_accepted(confidence: torch.Tensor, verified: torch.Tensor, gain_table: torch.Tensor) -> torch.Tensor:
+    """[R] float64: the table's expected accepted drafts of each row's verified prefix - the gains at (depth, bin
+    of the confidence) with a running minimum along the chain, summed in depth order (the op's order)."""
+    rows, d = confidence.shape
+    num_bins = gain_table.shape[1]
+    columns = torch.arange(d, device=confidence.device).expand(rows, d)
+    p = gain_table.to(confidence.device)[columns, confidence_bins(confidence, num_bins)]
+    p = torch.cummin(p, dim=1).values.to(torch.float64)
+    expected = torch.zeros(rows, dtype=torch.float64, device=confidence.device)
+    for j in range(d):
+        expected = expected + torch.where(verified > j, p[:, j], torch.zeros_like(expected))
+    return expected
+
+
+def update_history(
+    history: torch.Tensor,
+    old: torch.Tensor,
+    verified: torch.Tensor,
+    accepted: torch.Tensor,
+    confidence: torch.Tensor,
+    gain_table: torch.Tensor,
+    alpha: float,
+) -> None:
+    """history[old] <- (1 - alpha) history[old] + alpha (accepted, expected), in place (confidence: [R, D], the
+    verified rows' own)."""
+    expected = expected_accepted(confidence, verified, gain_table)
+    pair = history[old]
+    history[old, 0] = (1.0 - alpha) * pair[:, 0] + alpha * accepted.to(torch.float64)
+    history[old, 1] = (1.0 - alpha) * pair[:, 1] + alpha * expected

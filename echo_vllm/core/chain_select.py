@@ -7,6 +7,15 @@ the fixed rule (the first `k_cap` candidates: `select_by_rank`, which equals `se
 or the time-aware cut (`select_auto` with the acceptance table's chain gains). The op must return the same
 tensors bit for bit (tests/test_chain_select.py); it exists because the composition is ~60 small torch ops, about
 1 ms of host time per step on a 2-core CPU.
+
+`history` (optional, [B, 2] float64 per request: running averages of its accepted drafts and of the drafts the
+table expected of the same verified nodes, `echo_vllm.core.chain_feedback`) turns each request's factor
+f = (accepted + prior) / (expected + prior) into its estimates: a node's gain is min(f x table, 1) and its place
+in ECHO's order is by f x confidence (class first, then that key descending, depth ascending, index ascending), so a
+request that has been accepted more often than its draft confidences said gets its drafts verified first. Gates
+read the raw confidence (their thresholds were calibrated on it). Why: the request's own recent acceptance
+predicts its next drafts beyond the confidence (r = 0.5 with the next accepted length on the testbed;
+docs/benchmarks.md, twenty-third and twenty-fourth sessions).
 """
 
 from __future__ import annotations
@@ -19,6 +28,8 @@ from .acceptance import confidence_bins
 from .auto_budget import priority_rank, select_auto, select_by_rank
 from .gating import Gates, caps_from_thresholds
 from .tree import DraftTree
+
+HISTORY_PRIOR = 2.0  # pseudo-drafts on both sides of a request's factor: a new request's factor is 1
 
 
 class ChainInputs(NamedTuple):
@@ -71,15 +82,27 @@ def chain_gates(confidence: torch.Tensor, gate_on: torch.Tensor, tau: torch.Tens
     return Gates(depth_cap, truncated, torch.ones_like(truncated))  # chains have no width to widen
 
 
-def chain_gains(confidence: torch.Tensor, valid: torch.Tensor, gain_table: torch.Tensor) -> torch.Tensor:
+def chain_gains(
+    confidence: torch.Tensor, valid: torch.Tensor, gain_table: torch.Tensor, factor: torch.Tensor | None = None
+) -> torch.Tensor:
     """`AcceptanceModel.node_gain(chain=True)` from the table: P(accepted) at (depth, confidence bin), 0 for
-    invalid nodes, capped by the parent's (a running minimum along the chain)."""
+    invalid nodes, capped by the parent's (a running minimum along the chain). factor [B] float32: each row's
+    history factor, applied as min(factor x p, 1) before the running minimum."""
     max_depth, num_bins = gain_table.shape
     depth = confidence.shape[1]
     rows = torch.arange(depth, device=confidence.device).clamp(max=max_depth - 1).expand_as(confidence)
     p = gain_table.to(confidence.device)[rows, confidence_bins(confidence, num_bins)]
+    if factor is not None:
+        p = torch.clamp(p * factor.unsqueeze(1), max=1.0)
     p = torch.where(valid, p, torch.zeros_like(p))
     return torch.cummin(p, dim=1).values
+
+
+def history_factor(history: torch.Tensor, batch: int, prior: float) -> torch.Tensor:
+    """[B] float32: (accepted + prior) / (expected + prior) of the first `batch` rows of `history` [B', 2] float64,
+    computed in float64 and rounded once (the op computes it the same way)."""
+    rows = history[:batch]
+    return ((rows[:, 0] + prior) / (rows[:, 1] + prior)).to(torch.float32)
 
 
 def chain_select_reference(
@@ -94,10 +117,19 @@ def chain_select_reference(
     k_cap: int,
     k_min: int,
     surplus_tail: bool,
+    history: torch.Tensor | None = None,
+    history_prior: float = HISTORY_PRIOR,
 ) -> ChainSelection:
-    """gain_table None: the fixed rule (first k_cap candidates); else the time-aware cut (see module docstring)."""
+    """gain_table None: the fixed rule (first k_cap candidates); else the time-aware cut (see module docstring).
+    history [B', 2] float64 (B' >= B): the requests' factors (module docstring); None: none."""
     scores, valid, confidence = inputs
-    tree = chain_tree(scores, valid)
+    factor = None
+    if history is not None:
+        factor = history_factor(history, scores.shape[0], history_prior)
+        # The order's key: f x confidence (>= 0; 0 for invalid nodes, which are not candidates anyway).
+        tree = chain_tree(confidence * factor.unsqueeze(1), valid)
+    else:
+        tree = chain_tree(scores, valid)
     gates = chain_gates(confidence, gate_on, tau)
     if gain_table is None:
         rank, eligible = priority_rank(tree, gates, surplus_tail)
@@ -107,7 +139,7 @@ def chain_select_reference(
         auto = select_auto(
             tree,
             gates,
-            chain_gains(confidence, valid, gain_table),
+            chain_gains(confidence, valid, gain_table, factor),
             rest_seconds,
             draft_seconds,
             base_tokens=base_tokens,

@@ -55,6 +55,14 @@ def ops_defined(*names: str) -> bool:
     return True
 
 
+def op_takes(name: str, argument: str) -> bool:
+    """Whether the loaded `echo::<name>` op's schema has `argument` (a build older than a schema change lacks it)."""
+    if not ops_defined(name):
+        return False
+    packet = getattr(torch.ops.echo, name)
+    return any(a.name == argument for a in packet.default._schema.arguments)
+
+
 _ENV_DATA: Any = getattr(os.environ, "_data", None)  # CPython's encoded store behind os.environ (POSIX: bytes)
 
 

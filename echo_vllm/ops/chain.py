@@ -21,14 +21,22 @@ import torch
 
 from echo_vllm import ops as _ops
 from echo_vllm.core.chain_feedback import ChainFeedback, chain_feedback_reference
-from echo_vllm.core.chain_select import ChainInputs, ChainSelection, chain_inputs, chain_select_reference
+from echo_vllm.core.chain_select import (
+    HISTORY_PRIOR,
+    ChainInputs,
+    ChainSelection,
+    chain_inputs,
+    chain_select_reference,
+)
 from echo_vllm.core.tree import topk_stable
 
 TORCH_PATH_ENV = "ECHO_VLLM_CHAIN_TORCH"
 _NO_TABLE = torch.empty(0, dtype=torch.float32)
-_DEFINED = _ops.ops_defined("chain_select", "draft_argmax_logp")
+_NO_HISTORY = torch.empty(0, dtype=torch.float64)
+# A build older than the requests' history (its chain ops lack the `history` argument) counts as none: the twins.
+_DEFINED = _ops.ops_defined("chain_select", "draft_argmax_logp") and _ops.op_takes("chain_select", "history")
 _TOPK_DEFINED = _ops.ops_defined("draft_topk_logp")  # newer than the chain ops: an older build has those only
-_FEEDBACK_DEFINED = _ops.ops_defined("chain_feedback")  # newer still
+_FEEDBACK_DEFINED = _ops.ops_defined("chain_feedback") and _ops.op_takes("chain_feedback", "history")
 _LOGPS_DEFINED = _ops.ops_defined("chain_select_logps")  # newest: an older build has the rest only
 _GATE = _ops.CpuOpsGate(
     TORCH_PATH_ENV, "ECHO chain steps: torch draft log-probs, gates and budget cut", "the chain ops"
@@ -52,18 +60,23 @@ def chain_select(
     k_cap: int,
     k_min: int = 0,
     surplus_tail: bool,
+    history: torch.Tensor | None = None,
+    history_prior: float = HISTORY_PRIOR,
 ) -> ChainSelection:
     """A chain step's selection: gain_table None is the fixed rule (the first k_cap candidates of ECHO's order),
-    else the time-aware cut over rest_seconds [B * d + 1] and draft_seconds [d + 1] (`choose_budget`)."""
+    else the time-aware cut over rest_seconds [B * d + 1] and draft_seconds [d + 1] (`choose_budget`); history
+    [B', 2] float64: the requests' factors (`chain_select_reference`)."""
     if not compiled_chain_select(inputs.scores.device):
         return chain_select_reference(
             inputs, gate_on, tau, gain_table, rest_seconds, draft_seconds,
             base_tokens=base_tokens, k_cap=k_cap, k_min=k_min, surplus_tail=surplus_tail,
+            history=history, history_prior=history_prior,
         )  # fmt: skip
     counts, depth_cap, truncated, predicted = torch.ops.echo.chain_select(
         inputs.scores, inputs.valid, inputs.confidence, gate_on, tau,
         _NO_TABLE if gain_table is None else gain_table, rest_seconds, draft_seconds,
         float(base_tokens), int(k_cap), int(k_min), bool(surplus_tail),
+        _NO_HISTORY if history is None else history, float(history_prior),
     )  # fmt: skip
     return ChainSelection(counts, depth_cap, truncated, predicted)
 
@@ -82,6 +95,8 @@ def chain_select_steps(
     k_cap: int,
     k_min: int = 0,
     surplus_tail: bool,
+    history: torch.Tensor | None = None,
+    history_prior: float = HISTORY_PRIOR,
 ) -> tuple[ChainInputs, ChainSelection]:
     """A chain step's inputs (`chain_inputs` of the first `batch` rows of the per-depth log-probs [B'] stacked) and
     its selection (`chain_select`): one op call where `echo::chain_select_logps` serves (float32 log-probs)."""
@@ -91,11 +106,13 @@ def chain_select_steps(
         selection = chain_select(
             inputs, gate_on, tau, gain_table, rest_seconds, draft_seconds,
             base_tokens=base_tokens, k_cap=k_cap, k_min=k_min, surplus_tail=surplus_tail,
+            history=history, history_prior=history_prior,
         )  # fmt: skip
         return inputs, selection
     counts, depth_cap, truncated, predicted, scores, valid, confidence = torch.ops.echo.chain_select_logps(
         list(step_logps), int(batch), kept, gate_on, tau, _NO_TABLE if gain_table is None else gain_table,
         rest_seconds, draft_seconds, float(base_tokens), int(k_cap), int(k_min), bool(surplus_tail),
+        _NO_HISTORY if history is None else history, float(history_prior),
     )  # fmt: skip
     return ChainInputs(scores, valid, confidence), ChainSelection(counts, depth_cap, truncated, predicted)
 
@@ -143,11 +160,20 @@ def chain_feedback(
     *,
     drafted: int,
     record_acceptance: bool,
+    history: torch.Tensor | None = None,
+    gain_table: torch.Tensor | None = None,
+    alpha: float = 0.0,
 ) -> ChainFeedback:
-    """A verified chain step's feedback (see `chain_feedback_reference`): one op call on CPU."""
+    """A verified chain step's feedback (see `chain_feedback_reference`): one op call on CPU. history (with
+    gain_table): the requests' running averages, updated in place."""
     if not (_GATE.serves(confidence.device, _DEFINED) and _FEEDBACK_DEFINED):
-        return chain_feedback_reference(sampled, cur, old, verified, confidence, seen, hits, drafted, record_acceptance)
+        return chain_feedback_reference(
+            sampled, cur, old, verified, confidence, seen, hits, drafted, record_acceptance,
+            history=history, gain_table=gain_table, alpha=alpha,
+        )  # fmt: skip
+    with_history = history is not None and history.numel() > 0
     accepted, sums, levels = torch.ops.echo.chain_feedback(
-        sampled, cur, old, verified, confidence, seen, hits, int(drafted), bool(record_acceptance)
-    )
+        sampled, cur, old, verified, confidence, seen, hits, int(drafted), bool(record_acceptance),
+        history if with_history else _NO_HISTORY, gain_table if with_history else _NO_TABLE, float(alpha),
+    )  # fmt: skip
     return ChainFeedback(accepted, sums, levels)

@@ -45,10 +45,11 @@ from echo_vllm.core.auto_budget import DraftPlan, drafting_can_stop
 from echo_vllm.core.budget import BudgetSelection, add_surplus_tails, compact_selection
 from echo_vllm.core.budget_profile import default_profile_path
 from echo_vllm.core.calibration import Calibration, CalibrationRecorder, calibrate
-from echo_vllm.core.chain_select import chain_inputs, chain_tree
+from echo_vllm.core.chain_select import chain_inputs, chain_tree, history_factor
 from echo_vllm.core.cost_model import StepSample
 from echo_vllm.core.gating import Gates, depth_confidence
 from echo_vllm.core.metrics import EchoMetrics
+from echo_vllm.core.request_history import RequestHistory
 from echo_vllm.core.time_budget import TimeAwareBudget
 from echo_vllm.core.tree import DraftTree
 from echo_vllm.core.tree_order import SpineFirstOrder, spine_first_order, spine_hindsight, spine_sibling_tree
@@ -168,6 +169,7 @@ class PendingVerification:
     listed: SpineFirstOrder | None = None  # trees: the drafts as listed (spine first); None: chains
     feeds_plan: bool = True  # its hindsight goes to the depth plan (not in ECHO_VLLM_POLICY_BLOCKS' cut:d blocks)
     sweep: str = ""  # "warmup" / "profile": a step of the time-aware budget's sweeps (`observe_sweep`)
+    history: bool = False  # its rows are the request history's rows (request_history: the feedback updates them)
 
 
 class EchoProposer(EagleProposer):
@@ -177,6 +179,8 @@ class EchoProposer(EagleProposer):
     _context_batch: int | None = None  # the batch the feedback took this step's context for (propose reuses it)
     _policy_blocks: tuple[tuple[str, int | None], ...] = ()
     _probe_rows: torch.Tensor | None = None
+    history: RequestHistory | None = None  # request_history's per-request averages (None: off)
+    _history_now = False  # this step's rows are the history's (aligned in `_before_drafting`)
 
     def __init__(self, vllm_config, device, runner=None):
         super().__init__(vllm_config, device, runner)
@@ -261,10 +265,18 @@ class EchoProposer(EagleProposer):
         self._step_log = (os.environ.get(STEP_LOG_ENV) or "").replace("{rank}", str(self.tp_rank)) or None
         self._step_log_writer: StepLogWriter | None = None
         self._scratch_table: tuple[torch.Tensor, torch.Tensor] | None = None  # `_no_acceptance_table`
+        # request_history: per request of the drafting batch, its accepted vs expected drafts (chains, CPU, auto).
+        if self.echo_settings.request_history > 0.0 and self.auto and not self.tree_mode:
+            self.history = RequestHistory(self.echo_settings.request_history, capacity=self._max_rows(vllm_config))
         self._log_interval = float(os.environ.get(LOG_INTERVAL_ENV, "10"))
         self._last_log = time.monotonic()
         self.prom = prom_metrics.exporter_for(self, vllm_config)  # ECHO's /metrics series (a no-op off rank 0)
         logger.info("%s", self._startup_line(device))
+
+    @staticmethod
+    def _max_rows(vllm_config: Any) -> int:
+        scheduler = getattr(vllm_config, "scheduler_config", None)
+        return int(getattr(scheduler, "max_num_seqs", 8) or 8)
 
     def _init_budget(self, device: Any) -> None:
         """The time-aware budget (k_max 'auto') and the step timing both modes report."""
@@ -422,7 +434,12 @@ class EchoProposer(EagleProposer):
         kept = self._kept_rows_unless_all(batch)
         if kept is not None:
             valid &= kept.unsqueeze(1)
-        gates = self._gates(torch.exp(torch.where(valid, scores, torch.full_like(scores, float("-inf")))))
+        confidence = torch.exp(torch.where(valid, scores, torch.full_like(scores, float("-inf"))))
+        gates = self._gates(confidence)
+        history = self._history_rows()
+        if history is not None and self.history is not None:
+            # The selection's order: f x confidence (non-increasing along a chain, as the scores are).
+            scores = confidence * history_factor(history, batch, self.history.prior).unsqueeze(1)
         return bool(drafting_can_stop(scores, valid, gates, self._early_cap, self.echo_settings.surplus_tail).item())
 
     def _set_step_context(self, batch: int | None = None) -> None:
@@ -755,6 +772,11 @@ class EchoProposer(EagleProposer):
             self._force_clock += 1
             if self._force_clock % self._force_plain:
                 self._plan = DraftPlan(0, 0, False)
+        self._history_now = False
+        if self.history is not None and self._runner is not None and not self._tree_step and self._plan.depth > 0:
+            # Before drafting: the early-exit test orders nodes as the selection will.
+            self.history.align(self._runner.input_batch.req_ids[:batch])
+            self._history_now = self._depth.device.type == "cpu"
 
     def _partial_probe_rows(self, batch: int) -> torch.Tensor | None:
         """probe_requests S < B: [B] bool, the S rows whose full chains this probe verifies (the next slice of the
@@ -873,6 +895,7 @@ class EchoProposer(EagleProposer):
             listed,
             feeds_plan=self._policy == "auto",
             sweep=self._sweep_phase(),
+            history=self._history_now,
         )
         step_sum = sum(counts)
         if self.k_max is not None and step_sum > self.k_max:  # select_budget guarantees this; never silent
@@ -905,6 +928,7 @@ class EchoProposer(EagleProposer):
             inputs, result = chain_select_steps(
                 step_logps, batch, kept, gate_on, tau, budget.acceptance.table, rest, draft,
                 base_tokens=float(batch), k_cap=plan.k_cap, k_min=k_min, surplus_tail=tail,
+                history=self._history_rows(),
             )  # fmt: skip
             return result.counts, inputs.confidence, result.depth_cap, result.truncated, result.predicted
         # An integer k_max, or the warm-up of "auto" (its cap): the first k_cap candidates.
@@ -914,6 +938,10 @@ class EchoProposer(EagleProposer):
             base_tokens=float(batch), k_cap=plan.k_cap, surplus_tail=tail,
         )  # fmt: skip
         return result.counts, inputs.confidence, result.depth_cap, result.truncated, None
+
+    def _history_rows(self) -> torch.Tensor | None:
+        """The request history's rows for this step's selection and early exit (None: no history this step)."""
+        return self.history.rows if self.history is not None and self._history_now else None
 
     def _gate_tensors(self, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_on [D], tau [D]) of the calibration; no calibration (warm-up): no gate anywhere."""
@@ -1122,9 +1150,14 @@ class EchoProposer(EagleProposer):
         drafted = min(pending.drafted_depth, self.max_depth)
         acceptance = budget.acceptance if budget is not None else None
         table = (acceptance.seen, acceptance.accepted) if acceptance is not None else self._no_acceptance_table()
+        history = self.history if pending.history else None
+        with_history = history is not None and acceptance is not None
         feedback = chain_feedback(
             sampled, cur, old, verified, pending.confidence, *table,
             drafted=drafted, record_acceptance=acceptance is not None,
+            history=history.rows if with_history and history is not None else None,
+            gain_table=acceptance.table if with_history and acceptance is not None else None,
+            alpha=history.alpha if with_history and history is not None else 0.0,
         )  # fmt: skip
         self.stats.record_verification_sums(feedback.sums.tolist(), realised=pending.predicted)
         if self._step_log:
@@ -1326,6 +1359,7 @@ class EchoProposer(EagleProposer):
             "tree_chain_fallbacks": self.tree_chain_fallbacks,
             "tree_plan_mismatches": self.tree_plan_mismatches,
             "deferred_head": self.deferred_head.summary() if self.deferred_head is not None else None,
+            "request_history": self.history.summary() if self.history is not None else None,
             "calibration": self.calibration_source,
             "sweet_spots": self.calibration.sweet_spots if self.calibration is not None else [],
             **self.faults.summary(),

@@ -52,9 +52,9 @@ def _run(prompts, max_num_seqs, echo, step_log=None):
     return run_in_subprocess(job, extra_env={"ECHO_VLLM_STEP_LOG": str(step_log)} if step_log else None)
 
 
-# Trees (the default top_k 4) at batch 1 and 32, chains at batch 8.
-@pytest.mark.parametrize("max_num_seqs, top_k", [(1, 4), (8, 1), (32, 4)])
-def test_auto_greedy_identical_through_every_phase(prompts, tmp_path, max_num_seqs, top_k):
+# Trees (the default top_k 4) at batch 1 and 32, chains at batch 8 (without and with the request history).
+@pytest.mark.parametrize("max_num_seqs, top_k, history", [(1, 4, 0.0), (8, 1, 0.0), (8, 1, 0.3), (32, 4, 0.0)])
+def test_auto_greedy_identical_through_every_phase(prompts, tmp_path, max_num_seqs, top_k, history):
     used = prompts[: 16 if max_num_seqs == 1 else 64]
     baseline = _run(used, max_num_seqs, None)
     step_log = tmp_path / "steps.jsonl"
@@ -64,7 +64,8 @@ def test_auto_greedy_identical_through_every_phase(prompts, tmp_path, max_num_se
     # 8 probe at full depth.
     next_probes = max_num_seqs == 32
     probe_depth = {"probe_depth": "next" if next_probes else "full"}
-    echo = _run(used, max_num_seqs, {**ECHO, "top_k": top_k, **partial, **probe_depth}, step_log)
+    settings = {**ECHO, "top_k": top_k, **partial, **probe_depth, "request_history": history}
+    echo = _run(used, max_num_seqs, settings, step_log)
     mismatches = [i for i, (a, b) in enumerate(zip(baseline["token_ids"], echo["token_ids"])) if a != b]
     assert not mismatches, f"k_max auto, max_num_seqs={max_num_seqs}: prompts {mismatches[:5]} differ from no-spec"
     # vLLM's count of request-steps that emitted (the benchmark's tokens per request-step): exact without drafts,
@@ -102,6 +103,7 @@ def test_auto_greedy_identical_through_every_phase(prompts, tmp_path, max_num_se
     # The warm-up's full-depth steps seed the plan (observe_sweep): its first auto step has every depth's value.
     assert None not in auto_steps[0]["depth_values"], auto_steps[0]["depth_values"]
     assert any("ECHO budget" in line or "budget=auto" in line for line in echo["echo_log"])
+    assert any(f"request_history={history}" in line for line in echo["echo_log"])
     probed = [s for s in auto_steps if s["probe_rows"]]
     if partial:  # the probed rows verified every draft they had (the first step of the next wave may lack any)
         assert probed and all(s["probe_rows"] == 3 and s["draft_depth"] == DEPTH for s in probed)
@@ -314,6 +316,7 @@ def test_policy_blocks_parse_and_alternate():
     assert parse_policy_blocks("", 4) == []
     assert parse_policy_blocks("static:0", 4) == [("static:0", 0)]  # plain decoding
     assert parse_policy_blocks("cut:3", 4) == [("cut:3", 3)]  # the budget's cut at a fixed depth
+    assert parse_policy_blocks("auto,auto-flat", 4) == [("auto", None), ("auto-flat", None)]  # history A/B
     for bad in ("static:5", "static:-1", "eagle:2", "static", "cut:0", "cut:5"):
         with pytest.raises(ValueError, match="ECHO_VLLM_POLICY_BLOCKS"):
             parse_policy_blocks(bad, 4)
@@ -404,3 +407,21 @@ def test_the_steps_context_reaches_the_budget_unless_switched_off(monkeypatch, e
     # ... once: any later call (propose without a feedback, another batch) sums the runner's counts again.
     proposer._set_step_context(3)
     assert proposer._step_context == 6 and proposer.budget.context == (6.0 if enabled else 0.0)
+
+
+def test_an_auto_flat_block_selects_without_the_request_history():
+    """ECHO_VLLM_POLICY_BLOCKS' auto-flat: the depth plan's policy without the request history in the selection (and
+    in the early exit); its steps still feed the plan and the history."""
+    from echo_vllm.core.request_history import RequestHistory
+    from echo_vllm.vllm.proposer import AUTO_POLICIES, EchoProposer
+
+    assert AUTO_POLICIES == ("auto", "auto-flat")
+    proposer = object.__new__(EchoProposer)
+    proposer.history = RequestHistory(0.3)
+    proposer._history_now = True
+    proposer._policy = "auto"
+    assert proposer._history_rows() is proposer.history.rows
+    proposer._policy = "auto-flat"
+    assert proposer._history_rows() is None and proposer._budget_cuts
+    proposer._policy, proposer._history_now = "auto", False
+    assert proposer._history_rows() is None

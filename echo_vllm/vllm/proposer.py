@@ -107,19 +107,24 @@ POLICY_BLOCK_STEPS_ENV = "ECHO_VLLM_POLICY_BLOCK_STEPS"
 COST_CONTEXT_ENV = "ECHO_VLLM_COST_CONTEXT"
 
 
+# The depth plan's own policies: "auto", and "auto-flat" - the same without the request history in the selection
+# (request_history's A/B inside one engine: the history still learns in both blocks).
+AUTO_POLICIES = ("auto", "auto-flat")
+
+
 def parse_policy_blocks(text: str, max_depth: int) -> list[tuple[str, int | None]]:
     """ "auto,static:2,cut:3" -> [("auto", None), ("static:2", 2), ("cut:3", 3)]; one clear error for anything
     else."""
     blocks: list[tuple[str, int | None]] = []
     for item in filter(None, (part.strip() for part in text.split(","))):
-        if item == "auto":
+        if item in AUTO_POLICIES:
             blocks.append((item, None))
             continue
         kind, _, depth = item.partition(":")
         lowest = 0 if kind == "static" else 1
         if kind not in ("static", "cut") or not depth.isdigit() or not lowest <= int(depth) <= max_depth:
             raise ValueError(
-                f"{POLICY_BLOCKS_ENV}: {item!r} is not a policy; use 'auto', 'static:D' with 0 <= D <= {max_depth}"
+                f"{POLICY_BLOCKS_ENV}: {item!r} is not a policy; use 'auto', 'auto-flat', 'static:D' with 0 <= D <= {max_depth}"
                 f" (0: plain decoding) or 'cut:D' with 1 <= D <= {max_depth}"
             )
         blocks.append((item, int(depth)))
@@ -794,7 +799,7 @@ class EchoProposer(EagleProposer):
     @property
     def _budget_cuts(self) -> bool:
         """This step's selection is the time-aware budget's cut ("auto", or a cut:d block of fixed depth)."""
-        return self._policy == "auto" or self._policy.startswith("cut:")
+        return self._policy in AUTO_POLICIES or self._policy.startswith("cut:")
 
     def _block_policy(self) -> str:
         """ECHO_VLLM_POLICY_BLOCKS: this step's policy ("auto" without blocks)."""
@@ -836,7 +841,7 @@ class EchoProposer(EagleProposer):
         if depth == 0 or batch == 0:
             self._pending = None
             self.stats.record_plan(0)
-            if self.budget is not None and self._policy == "auto":  # static blocks stay off the plan's clock
+            if self.budget is not None and self._policy in AUTO_POLICIES:  # static blocks stay off the plan's clock
                 self.budget.observe_selection(0)
                 self._observe_plain_step(batch)  # nothing to verify: its hindsight needs no feedback
             if self._step_log and batch:  # plain steps belong to the record too (the oracle bound counts them)
@@ -893,7 +898,7 @@ class EchoProposer(EagleProposer):
             predicted is not None,
             depth,
             listed,
-            feeds_plan=self._policy == "auto",
+            feeds_plan=self._policy in AUTO_POLICIES,
             sweep=self._sweep_phase(),
             history=self._history_now,
         )
@@ -904,7 +909,7 @@ class EchoProposer(EagleProposer):
         host_sum = None if self._tree_step else step_sum
         self.stats.record_selection(counts_t, cap, depth_cap, truncated, host_step_sum=host_sum)  # no sync
         self.stats.record_plan(depth, predicted)
-        if self.budget is not None and self._policy == "auto":  # static blocks stay off the plan's clock
+        if self.budget is not None and self._policy in AUTO_POLICIES:  # static blocks stay off the plan's clock
             self.budget.observe_selection(step_sum)
         self._account(counts, batch, ragged)
         return ragged
@@ -941,7 +946,9 @@ class EchoProposer(EagleProposer):
 
     def _history_rows(self) -> torch.Tensor | None:
         """The request history's rows for this step's selection and early exit (None: no history this step)."""
-        return self.history.rows if self.history is not None and self._history_now else None
+        if self.history is None or not self._history_now or self._policy == "auto-flat":
+            return None
+        return self.history.rows
 
     def _gate_tensors(self, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_on [D], tau [D]) of the calibration; no calibration (warm-up): no gate anywhere."""

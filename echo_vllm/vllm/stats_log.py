@@ -47,6 +47,7 @@ def format_startup_line(
     return (
         f"{STARTUP_PREFIX} max_depth={max_depth} k_max={settings.k_max} gate_mode={settings.gate_mode} "
         f"delta={settings.delta} warmup_steps={settings.warmup_steps} surplus_tail={settings.surplus_tail} "
-        f"fault_limit={settings.fault_limit} calibration={calibration} budget_op={budget_op} "
-        f"trees={tree_fixup} vllm={vllm_version or 'unknown'} runner={runner}"
+        f"fault_limit={settings.fault_limit} request_history={getattr(settings, 'request_history', 0.0)} "
+        f"calibration={calibration} budget_op={budget_op} trees={tree_fixup} vllm={vllm_version or 'unknown'} "
+        f"runner={runner}"
     )

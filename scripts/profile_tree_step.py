@@ -58,6 +58,8 @@ TIMED = [
     ("  sampler", "vllm.v1.sample.sampler", "Sampler.forward"),
     ("  propose(total)", "echo_vllm.vllm.proposer", "EchoProposer.propose"),
     ("    before_drafting(plan)", "echo_vllm.vllm.proposer", "EchoProposer._before_drafting"),
+    ("      budget.plan", "echo_vllm.core.time_budget", "TimeAwareBudget.plan"),
+    ("        budget.refit", "echo_vllm.core.time_budget", "TimeAwareBudget.refit"),
     ("    trees_allowed", "echo_vllm.vllm.proposer", "EchoProposer._trees_allowed"),
     ("    defer_newest_rows", "echo_vllm.vllm.proposer", "EchoProposer._defer_newest_rows"),
     ("    sample_draft_tokens", "echo_vllm.vllm.proposer", "EchoProposer._sample_draft_tokens"),

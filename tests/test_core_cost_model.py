@@ -387,3 +387,52 @@ def test_a_context_model_travels_and_older_vectors_and_profiles_load_without_it(
     del raw["cost_model"]["context_s"]  # a profile written before the term
     path.write_text(json.dumps(raw))
     assert load_profile(path, 4)[0].context_s == 0.0
+
+
+def test_model_change_is_the_median_relative_move_of_steady_step_prices():
+    from echo_vllm.core.cost_model import model_change
+
+    model = fit_cost_model(_samples(lambda n, b: 0.002 + 0.0003 * n, _draft))
+    assert model is not None
+    assert model_change(model, model, 4) == 0.0
+    slower = dataclasses.replace(
+        model,
+        rest_s=tuple(1.1 * v for v in model.rest_s),
+        per_request_s=1.1 * model.per_request_s,
+        draft_terms=tuple(1.1 * v for v in model.draft_terms),  # type: ignore[arg-type]
+        first_pass_terms=tuple(1.1 * v for v in model.first_pass_terms),  # type: ignore[arg-type]
+        verify_terms=tuple(1.1 * v for v in model.verify_terms),  # type: ignore[arg-type]
+    )
+    assert model_change(model, slower, 4) == pytest.approx(0.1 / 1.1, rel=1e-9)  # every price 10 % up
+
+
+def test_refits_space_out_while_the_fit_is_stable_and_close_up_when_it_moves():
+    """The time-aware budget refits REFIT_INTERVAL steps apart, doubling the gap (up to MAX_REFIT_INTERVAL) after
+    each refit that found the same curve, back to REFIT_INTERVAL after one that moved it."""
+    from echo_vllm.core.time_budget import MAX_REFIT_INTERVAL, REFIT_INTERVAL, TimeAwareBudget
+
+    budget = TimeAwareBudget(4, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None)
+    samples = _samples(lambda n, b: 0.002 + 0.0003 * n, _draft, n=400, noise=0.0)
+    for sample in samples:
+        budget.samples.add(sample)
+    budget.cost_model = fit_cost_model(samples)
+    refits = []
+    original = budget.refit
+
+    def counting_refit(*, first):
+        refits.append(budget.steps_seen)
+        original(first=first)
+
+    budget.refit = counting_refit  # type: ignore[method-assign]
+    steps = REFIT_INTERVAL * (1 + 2 + 4 + 8 + 8)
+    for _ in range(steps):
+        budget.plan(8, 1, False, warmup_cap=32)
+    gaps = [b - a for a, b in zip([0, *refits], refits)]
+    assert gaps[:5] == [64, 128, 256, 512, 512] and MAX_REFIT_INTERVAL == 512
+    # The step cost doubles: the next refit moves the curve, and the gap is REFIT_INTERVAL again.
+    for sample in _samples(lambda n, b: 0.004 + 0.0006 * n, _draft, n=512, noise=0.0, seed=1):
+        budget.samples.add(sample)
+    until = refits[-1] + budget.refit_interval
+    while budget.steps_seen < until:
+        budget.plan(8, 1, False, warmup_cap=32)
+    assert budget.refit_interval == REFIT_INTERVAL and budget.summary(False)["refit_interval"] == REFIT_INTERVAL

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -416,3 +417,24 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
         terms[6],
         context_s,
     )
+
+
+def model_change(old: CostModel, new: CostModel, max_depth: int) -> float:
+    """The median relative difference of two models' steady step prices (`step_seconds` at N = B (1 + d) tokens,
+    every draft verified) over batches 1, 2, 4, ... and depths 0..max_depth, where N lies within both models'
+    knots. A function of the two models only, so that every TP rank, which holds rank 0's models, gets the same
+    number (`TimeAwareBudget.refit` spaces its refits by it)."""
+    top = min(old.knots[-1], new.knots[-1])
+    changes = []
+    batch = 1
+    while batch <= top:
+        for depth in range(max_depth + 1):
+            tokens = batch * (1 + depth)
+            if tokens > top:
+                break
+            verified = batch * depth
+            a = old.rest_at(tokens, batch) + old.verify_at(batch, verified) + old.draft_seconds(batch, depth)
+            b = new.rest_at(tokens, batch) + new.verify_at(batch, verified) + new.draft_seconds(batch, depth)
+            changes.append(abs(b - a) / max(b, 1e-9))
+        batch *= 2
+    return statistics.median(changes) if changes else float("inf")

@@ -8,7 +8,8 @@ Phases (`phase`):
            budget profile file if it does not exist);
   auto     every step: `DraftController` plans the draft depth and candidate cap, `select_auto` cuts ECHO's order
            where expected tokens per second peak (acceptance from `AcceptanceModel`, time from `CostModel`); the
-           cost model is refit every REFIT_INTERVAL steps from the samples the engine adds.
+           cost model is refit from the samples the engine adds, REFIT_INTERVAL steps apart and up to
+           MAX_REFIT_INTERVAL while refits keep finding the same curve.
 A loaded budget profile skips the profile phase. `share` (identity for one process; the vLLM proposer passes a
 broadcast from TP rank 0) makes every rank use rank 0's fit. No vLLM import; the engines measure the time.
 """
@@ -34,11 +35,25 @@ from .auto_budget import (
 from .budget import BudgetSelection
 from .budget_profile import load_profile, save_profile
 from .chain_feedback import level_histograms
-from .cost_model import MAX_KNOTS, CostModel, StepSample, StepSamples, fit_cost_model, vector_length
+from .cost_model import (
+    MAX_KNOTS,
+    CostModel,
+    StepSample,
+    StepSamples,
+    fit_cost_model,
+    model_change,
+    vector_length,
+)
 from .gating import Gates
 from .tree import DraftTree
 
 REFIT_INTERVAL = 64  # steps between refits of the cost model (and refreshes of the acceptance table)
+# A refit that moved the model's steady step prices by less than REFIT_STABLE (median relative change,
+# `model_change`) doubles the interval to the next one, up to MAX_REFIT_INTERVAL; a larger move resets it. Why: a
+# refit costs ~4 ms on the testbed's CPU (0.06 ms of every batch-4 step at one per 64 steps) and, once the step
+# cost is learned, mostly refits the same curve.
+MAX_REFIT_INTERVAL = 512
+REFIT_STABLE = 0.02
 # Profile steps verify these fractions of the candidates in turn: step costs across the token range, plain steps too.
 PROFILE_FRACTIONS = (0.0, 0.5, 1.0, 0.25, 0.75, 0.125)
 # The profile holds each depth of its cycle for this many steps (`profile_step`).
@@ -185,6 +200,8 @@ class TimeAwareBudget:
             self.source = f"file {profile_path}"
         self.profile_done = 0
         self.steps_seen = 0
+        self.refit_interval = REFIT_INTERVAL  # steps from one refit to the next (doubles while the fit is stable)
+        self._next_refit = REFIT_INTERVAL  # `steps_seen` of the next refit in the auto phase
         self._tried = [0.0] * max_depth  # continuation counts per depth 1..D (decayed)
         self._passed = [0.0] * max_depth
         # Warm-up steps' level counts (batch, emitted, nodes, verified to end, accepted to end), kept until the cost
@@ -215,7 +232,7 @@ class TimeAwareBudget:
         phase = self.phase(warming_up)
         if phase == "profile" and self.profile_done >= self.profile_steps:
             self.refit(first=True)
-        elif phase == "auto" and self.steps_seen % REFIT_INTERVAL == 0:
+        elif phase == "auto" and self.steps_seen >= self._next_refit:
             self.refit(first=False)
         phase = self.phase(warming_up)
         ceiling = batch * self.max_depth * nodes_per_depth
@@ -522,9 +539,14 @@ class TimeAwareBudget:
         shared = self.share(vector)
         self.acceptance.refresh()
         self.width_acceptance.refresh()
+        self._next_refit = self.steps_seen + self.refit_interval
         if shared[0] == 0:  # rank 0 had too few samples: keep what there is
             return
-        self.cost_model = CostModel.from_vector(shared)
+        old, self.cost_model = self.cost_model, CostModel.from_vector(shared)
+        if not first and old is not None:  # both models are rank 0's: every rank spaces its refits alike
+            stable = model_change(old, self.cost_model, self.max_depth) < REFIT_STABLE
+            self.refit_interval = min(2 * self.refit_interval, MAX_REFIT_INTERVAL) if stable else REFIT_INTERVAL
+            self._next_refit = self.steps_seen + self.refit_interval
         self._curve_cache.clear()
         while self._seed_levels:  # the warm-up's levels, priced now (oldest first, as they ran)
             self._observe_levels(*self._seed_levels.popleft())
@@ -544,6 +566,7 @@ class TimeAwareBudget:
             "cost_fit_error": self.cost_model.fit_error if self.cost_model is not None else None,
             "cost_model": self.cost_model.to_vector() if self.cost_model is not None else None,
             "budget_source": self.source,
+            "refit_interval": self.refit_interval,
             # What the depth plan believes each draft depth 0..D is worth (expected tokens/s; None unmeasured).
             "depth_values": [None if v is None else round(v, 3) for v in self.controller.value],
             "acceptance_table": [[round(p, 3) for p in row] for row in self.acceptance.table.tolist()],

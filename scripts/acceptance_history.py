@@ -14,7 +14,10 @@ history for "the depth-d draft was accepted"; then, fitted on half of the reques
 a table of P(accepted | depth, confidence bin) against one of P(accepted | depth, confidence bin, history
 quartile), each used to pick the same number of drafts per step across the batch (best predicted first, a chain's
 prefix at a time): the accepted drafts each picks. A gain there is the selection's gain at an equal verification
-cost. Reporting only; the figures go to docs/benchmarks.md.
+cost. `--online` adds what the engine's `request_history` does (twenty-fourth session): each step, the drafts
+picked by the table's P(accepted | depth, confidence bin) times the request's factor (accepted + prior) /
+(expected + prior), the averages (weight `--alpha`) updated from the picked drafts only - the censored view the
+engine has - against the table alone at the same budget. Reporting only; the figures go to docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -95,6 +98,61 @@ def picked_accepted(rates: np.ndarray, accepted: np.ndarray, steps: np.ndarray, 
         verified += int(counts.sum())
         won += int(np.minimum(accepted[rows], counts).sum())
     return verified, won
+
+
+def _pick(rates: np.ndarray, take: int) -> np.ndarray:
+    """Per row, how many drafts of its chain the `take` best-rated drafts of the step include (a prefix per row)."""
+    depth = rates.shape[1]
+    best = np.argsort(-rates, axis=None, kind="stable")[:take]
+    counts = np.zeros(rates.shape[0], dtype=int)
+    np.maximum.at(counts, best // depth, best % depth + 1)
+    return counts
+
+
+def online_factor(
+    records: Sequence[dict[str, Any]], alpha: float, prior: float = 2.0, fractions: Sequence[float] = BUDGET_FRACTIONS
+) -> list[dict[str, Any]]:
+    """The engine's request history replayed: per half of the requests (the table fitted on the other half), per
+    budget fraction, accepted drafts of the table's picks against the picks by table x factor, the factor's
+    averages fed only by what was picked (accepted drafts, the table's expectation of them)."""
+    conf = np.array([r["conf"] for r in records], dtype=float)
+    depth = conf.shape[1]
+    accepted = np.array([min(int(r["acc"]), depth) for r in records])
+    steps = np.array([int(r["step"]) for r in records])
+    reqs = [r["req"] for r in records]
+    half = np.array([sum(map(ord, r)) % 2 for r in reqs])
+    rows_out = []
+    for test in (0, 1):
+        table = fitted_rates(conf, np.zeros(len(records), dtype=int), accepted, half != test)
+        scored = np.flatnonzero(half == test)
+        for fraction in fractions:
+            totals = {"plain": [0, 0], "factor": [0, 0]}
+            for mode in totals:
+                averages: dict[str, list[float]] = {}
+                for step in np.unique(steps[scored]):
+                    rows = scored[steps[scored] == step]
+                    take = int(round(fraction * rows.size * depth))
+                    if take == 0:
+                        continue
+                    p = table[rows]
+                    if mode == "factor":
+                        pairs = [averages.get(reqs[r], [0.0, 0.0]) for r in rows]
+                        factor = np.array([(a + prior) / (e + prior) for a, e in pairs])
+                        p = np.minimum.accumulate(np.minimum(p * factor[:, None], 1.0), axis=1)
+                    counts = _pick(p, take)
+                    won = np.minimum(accepted[rows], counts)
+                    totals[mode][0] += int(counts.sum())
+                    totals[mode][1] += int(won.sum())
+                    for j, r in enumerate(rows):
+                        if counts[j]:
+                            a, e = averages.get(reqs[r], [0.0, 0.0])
+                            expected = float(table[r, : counts[j]].sum())
+                            averages[reqs[r]] = [(1 - alpha) * a + alpha * won[j], (1 - alpha) * e + alpha * expected]
+            plain, factor = totals["plain"], totals["factor"]
+            rows_out.append({"half": test, "fraction": fraction, "verified": plain[0], "accepted_table": plain[1],
+                             "verified_factor": factor[0], "accepted_factor": factor[1],
+                             "gain": factor[1] / plain[1] - 1.0 if plain[1] else float("nan")})  # fmt: skip
+    return rows_out
 
 
 def analyze(records: Sequence[dict[str, Any]], alpha: float) -> dict[str, Any]:
@@ -209,11 +267,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ana = sub.add_parser("analyze")
     ana.add_argument("records", type=Path)
     ana.add_argument("--alpha", type=float, default=0.3)
+    ana.add_argument("--online", action="store_true", help="also replay the engine's request_history factor")
     args = parser.parse_args(argv)
     if args.command == "capture":
         return capture(args)
     records = [json.loads(line) for line in args.records.read_text().splitlines() if line.strip()]
     print(report(analyze(records, args.alpha)))
+    if args.online:
+        for row in online_factor(records, args.alpha):
+            print(
+                f"  online half {row['half']} budget {row['fraction']:.3f}: accepted {row['accepted_table']} of "
+                f"{row['verified']} (table) vs {row['accepted_factor']} of {row['verified_factor']} (x request "
+                f"factor): {row['gain']:+.3f}"
+            )
     return 0
 
 

@@ -56,3 +56,12 @@ def test_the_history_pays_only_where_requests_differ():
     assert all(row["verified"] == row["verified_history"] for row in differ["selection"])  # an equal budget
     text = tool.report(differ)
     assert "AUC confidence" in text and text.count("budget") == len(differ["selection"])
+
+
+def test_the_online_factor_learns_from_its_own_picks_only_and_pays_where_requests_differ():
+    tool = load_script("acceptance_history")
+    differ = tool.online_factor(_synthetic(True), alpha=0.3, fractions=(0.25,))
+    alike = tool.online_factor(_synthetic(False), alpha=0.3, fractions=(0.25,))
+    assert all(row["verified"] == row["verified_factor"] for row in differ)  # an equal budget
+    assert min(row["gain"] for row in differ) > 0.05
+    assert all(abs(row["gain"]) < 0.05 for row in alike)

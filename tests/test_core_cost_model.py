@@ -436,3 +436,10 @@ def test_refits_space_out_while_the_fit_is_stable_and_close_up_when_it_moves():
     while budget.steps_seen < until:
         budget.plan(8, 1, False, warmup_cap=32)
     assert budget.refit_interval == REFIT_INTERVAL and budget.summary(False)["refit_interval"] == REFIT_INTERVAL
+    # The acceptance table is refreshed every REFIT_INTERVAL steps between refits too.
+    refreshed = []
+    budget.acceptance.refresh = lambda: refreshed.append(budget.steps_seen)  # type: ignore[method-assign]
+    start = budget.steps_seen
+    for _ in range(3 * REFIT_INTERVAL):
+        budget.plan(8, 1, False, warmup_cap=32)
+    assert [s for s in refreshed if s > start] == [s for s in range(start + 1, budget.steps_seen + 1) if s % 64 == 0]

@@ -47,7 +47,7 @@ from .cost_model import (
 from .gating import Gates
 from .tree import DraftTree
 
-REFIT_INTERVAL = 64  # steps between refits of the cost model (and refreshes of the acceptance table)
+REFIT_INTERVAL = 64  # steps between refreshes of the acceptance table (and, at first, refits of the cost model)
 # A refit that moved the model's steady step prices by less than REFIT_STABLE (median relative change,
 # `model_change`) doubles the interval to the next one, up to MAX_REFIT_INTERVAL; a larger move resets it. Why: a
 # refit costs ~4 ms on the testbed's CPU (0.06 ms of every batch-4 step at one per 64 steps) and, once the step
@@ -234,6 +234,11 @@ class TimeAwareBudget:
             self.refit(first=True)
         elif phase == "auto" and self.steps_seen >= self._next_refit:
             self.refit(first=False)
+        elif phase == "auto" and self.steps_seen % REFIT_INTERVAL == 0:
+            # The acceptance table keeps its REFIT_INTERVAL pace whatever the fit's: a stale table cuts the
+            # budget on old acceptance (cheap: a few ops on [D, bins] counts every rank holds alike).
+            self.acceptance.refresh()
+            self.width_acceptance.refresh()
         phase = self.phase(warming_up)
         ceiling = batch * self.max_depth * nodes_per_depth
         if phase == "auto":

@@ -19,6 +19,7 @@
 // found affine at run time) a fast path whose loops run over contiguous runs (`fix_task_transposed_k`); for any
 // other layout the generic one, which reads every element through the maps.
 #include "check_msg.h"
+#include "avx2_math.h"
 #include "exp_poly.h"
 
 #include <ATen/Dispatch.h>
@@ -217,38 +218,6 @@ void fix_task_baseline(const scalar_t* c_ptr, int64_t c_s0, int64_t c_s1, const 
 #define ECHO_TREE_AVX2 1
 constexpr int64_t kAvx2Chunk = 32;  // keys per logits block: 4 vectors x 2 query rows = 8 accumulators
 
-// exp_nonpositive on 8 lanes (the same steps; the polynomial with FMA).
-__attribute__((target("avx2,fma"))) inline __m256 exp_nonpositive8(__m256 x) {
-  __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-  t = _mm256_min_ps(_mm256_max_ps(t, _mm256_set1_ps(-126.0f)), _mm256_setzero_ps());
-  const __m256 magic = _mm256_set1_ps(12582912.0f);
-  const __m256 rounded = _mm256_sub_ps(_mm256_add_ps(t, magic), magic);
-  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, rounded), _mm256_set1_ps(0.693147180559945309f));
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(rounded), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
-__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
-
-__attribute__((target("avx2,fma"))) inline float hmax8(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
-
 // Softmax of one row in place: scale, hidden drafts to -inf, max, exp, their sum, normalise (hidden: weight 0).
 __attribute__((target("avx2,fma"))) void softmax_row_avx2(const TaskView& t, int64_t qi, float* lg) {
   const int64_t n = t.num_keys, bits = t.row_bits[qi / t.group];
@@ -365,11 +334,7 @@ __attribute__((target("avx2,fma"))) void attend_avx2(const TaskView& t, float* l
 }
 
 // ECHO_TREE_BASELINE_ISA=1 forces the baseline build on an AVX2 machine (tests run both; read per call).
-bool use_avx2() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  const char* force = std::getenv("ECHO_TREE_BASELINE_ISA");
-  return has && !(force != nullptr && force[0] == '1');
-}
+bool use_avx2() { return avx2_enabled("ECHO_TREE_BASELINE_ISA"); }
 #endif
 
 template <typename scalar_t>

@@ -256,9 +256,20 @@ def test_torch_path_env_forces_the_reference(monkeypatch):
     assert got.counts.dtype == torch.int32 and int(got.counts.sum()) <= 9
 
 
+def _use_isa(isa: str, monkeypatch) -> None:
+    """isa "baseline": the draft ops' build that CPUs without AVX2 run (ECHO_DRAFT_BASELINE_ISA=1); "native":
+    the AVX2 + FMA build of float32 rows where the CPU has it."""
+    if isa == "baseline":
+        monkeypatch.setenv("ECHO_DRAFT_BASELINE_ISA", "1")
+    else:
+        monkeypatch.delenv("ECHO_DRAFT_BASELINE_ISA", raising=False)
+
+
 @needs_op
+@pytest.mark.parametrize("isa", ["native", "baseline"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_draft_argmax_logp_is_the_first_maximum_and_its_log_softmax(dtype):
+def test_draft_argmax_logp_is_the_first_maximum_and_its_log_softmax(dtype, isa, monkeypatch):
+    _use_isa(isa, monkeypatch)
     gen = torch.Generator().manual_seed(0)
     logits = (torch.randn((37, 4096), generator=gen) * 4).to(dtype)
     logits[3] = torch.randint(0, 3, (4096,), generator=gen).to(dtype)  # many ties for the maximum
@@ -272,23 +283,35 @@ def test_draft_argmax_logp_is_the_first_maximum_and_its_log_softmax(dtype):
 
 
 @needs_op
-def test_draft_argmax_logp_nan_and_dead_rows_follow_torch():
-    logits = torch.zeros((3, 8))
+@pytest.mark.parametrize("isa", ["native", "baseline"])
+@pytest.mark.parametrize("vocab", [8, 4096])
+def test_draft_argmax_logp_nan_and_dead_rows_follow_torch(vocab, isa, monkeypatch):
+    """Rows the vector build hands to the baseline's special cases: a NaN (in a full lane and in the tail), a row of
+    -inf, an infinite maximum; and a normal row beside them."""
+    _use_isa(isa, monkeypatch)
+    logits = torch.zeros((5, vocab))
     logits[0, 5] = float("nan")
     logits[1] = float("-inf")
     logits[2, 2] = float("inf")
+    logits[3, vocab - 1] = float("nan")
+    logits[4, 3] = 1.0
     ids, logps = chain_ops.draft_argmax_logp(logits)
     want_ids, want_logps = chain_ops.draft_argmax_logp_reference(logits)
     assert int(ids[0]) == int(want_ids[0]) == 5 and int(ids[2]) == int(want_ids[2]) == 2
-    assert bool(torch.isnan(logps).all()) and bool(torch.isnan(want_logps).all())  # no usable log-prob anywhere
+    assert int(ids[3]) == int(want_ids[3]) == vocab - 1 and int(ids[4]) == int(want_ids[4]) == 3
+    assert bool(torch.isnan(logps[:4]).all()) and bool(torch.isnan(want_logps[:4]).all())  # no usable log-prob
+    assert float(logps[4]) == pytest.approx(float(want_logps[4]), abs=2e-6)
 
 
 @needs_op
+@pytest.mark.parametrize("isa", ["native", "baseline"])
 @pytest.mark.parametrize("vocab", [1, 7, 9, 513, 4099])
-def test_draft_argmax_logp_polynomial_exp_over_ragged_vocabularies_and_wide_logits(vocab):
-    """The op's exp is a polynomial over lanes of 8 in chunks of 512 (it vectorises at the baseline ISA): tails
-    that fill no lane or chunk, logits far below the maximum (exp underflow: x - max < -87), a -inf logit, and the
-    maximum in the last element must all give torch's token and its log-prob."""
+def test_draft_argmax_logp_polynomial_exp_over_ragged_vocabularies_and_wide_logits(vocab, isa, monkeypatch):
+    """The op's exp is a polynomial over lanes of 8 in chunks of 512 (it vectorises at the baseline ISA; AVX2
+    intrinsics for float32 where the CPU has them): tails that fill no lane or chunk, logits far below the maximum
+    (exp underflow: x - max < -87), a -inf logit, and the maximum in the last element must all give torch's token
+    and its log-prob."""
+    _use_isa(isa, monkeypatch)
     gen = torch.Generator().manual_seed(vocab)
     logits = torch.randn((6, vocab), generator=gen) * 40  # spreads of hundreds: most terms underflow
     logits[1] = torch.randn(vocab, generator=gen) * 0.01  # nearly flat: log-prob ~ -log V
@@ -304,6 +327,33 @@ def test_draft_argmax_logp_polynomial_exp_over_ragged_vocabularies_and_wide_logi
     assert bool((logps <= 0).all())
 
 
+@needs_op
+@pytest.mark.parametrize("seed", range(4))
+def test_draft_argmax_logp_builds_agree(seed, monkeypatch):
+    """The AVX2 build (float32 rows, where the CPU has AVX2) and the baseline build give the same tokens and
+    log-probs within float rounding (the vector exp rounds its polynomial with FMA), ties and maxima in every lane
+    position included; on a CPU without AVX2 both runs take the baseline build."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn((33, 4096 + seed), generator=gen) * (2.0 + 6 * seed)
+    for r in range(8):  # the maximum at lane r of a vector and twice (the first one wins)
+        logits[r, 8 * (r + 1) + r] = 100.0
+        logits[r, 8 * (r + 3) + r] = 100.0
+    logits[9] = torch.randint(0, 2, (logits.shape[1],), generator=gen).float()
+    logits[10, -1] = 90.0  # in the scalar tail
+    monkeypatch.setenv("ECHO_DRAFT_BASELINE_ISA", "1")
+    base_ids, base_logps = chain_ops.draft_argmax_logp(logits)
+    base_top, base_top_logps = chain_ops.draft_topk_logp(logits, 4) if chain_ops._TOPK_DEFINED else (None, None)
+    monkeypatch.delenv("ECHO_DRAFT_BASELINE_ISA")
+    ids, logps = chain_ops.draft_argmax_logp(logits)
+    assert torch.equal(ids, base_ids)
+    assert ids[:8].tolist() == [8 * (r + 1) + r for r in range(8)] and int(ids[10]) == logits.shape[1] - 1
+    torch.testing.assert_close(logps, base_logps, atol=1e-6, rtol=1e-6)
+    if base_top is not None:
+        top, top_logps = chain_ops.draft_topk_logp(logits, 4)
+        assert torch.equal(top, base_top)
+        torch.testing.assert_close(top_logps, base_top_logps, atol=1e-6, rtol=1e-6)
+
+
 needs_topk_op = pytest.mark.skipif(
     not (chain_ops._DEFINED and chain_ops._TOPK_DEFINED),
     reason="echo_vllm._C without draft_topk_logp",
@@ -311,11 +361,13 @@ needs_topk_op = pytest.mark.skipif(
 
 
 @needs_topk_op
+@pytest.mark.parametrize("isa", ["native", "baseline"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k", [1, 2, 4, 7])
-def test_draft_topk_logp_gives_topk_stable_tokens_in_order_and_their_log_softmax(dtype, k):
+def test_draft_topk_logp_gives_topk_stable_tokens_in_order_and_their_log_softmax(dtype, k, isa, monkeypatch):
     """The tree step's op against its torch twin: the same k tokens in the same order (value descending, equal
     values lower index first, also at the k-th place), so slot 0 is the chain op's argmax; log-probs <= 0."""
+    _use_isa(isa, monkeypatch)
     gen = torch.Generator().manual_seed(k)
     logits = (torch.randn((37, 4096), generator=gen) * 4).to(dtype)
     logits[3] = torch.randint(0, 3, (4096,), generator=gen).to(dtype)  # ties everywhere, at the k-th place too
@@ -333,7 +385,9 @@ def test_draft_topk_logp_gives_topk_stable_tokens_in_order_and_their_log_softmax
 
 
 @needs_topk_op
-def test_draft_topk_logp_nan_and_dead_rows_give_no_log_prob_and_bad_k_one_line():
+@pytest.mark.parametrize("isa", ["native", "baseline"])
+def test_draft_topk_logp_nan_and_dead_rows_give_no_log_prob_and_bad_k_one_line(isa, monkeypatch):
+    _use_isa(isa, monkeypatch)
     logits = torch.zeros((4, 8))
     logits[0, 5] = float("nan")
     logits[1] = float("-inf")

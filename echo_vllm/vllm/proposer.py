@@ -777,11 +777,17 @@ class EchoProposer(EagleProposer):
             self._force_clock += 1
             if self._force_clock % self._force_plain:
                 self._plan = DraftPlan(0, 0, False)
-        self._history_now = False
-        if self.history is not None and self._runner is not None and not self._tree_step and self._plan.depth > 0:
-            # Before drafting: the early-exit test orders nodes as the selection will.
+        # The history is read by the CPU chain ops only (CUDA runs the torch twins without it): aligned only there,
+        # before drafting, so that the early-exit test orders nodes as the selection will.
+        self._history_now = (
+            self.history is not None
+            and self._runner is not None
+            and not self._tree_step
+            and self._plan.depth > 0
+            and self._depth.device.type == "cpu"
+        )
+        if self._history_now and self.history is not None and self._runner is not None:
             self.history.align(self._runner.input_batch.req_ids[:batch])
-            self._history_now = self._depth.device.type == "cpu"
 
     def _partial_probe_rows(self, batch: int) -> torch.Tensor | None:
         """probe_requests S < B: [B] bool, the S rows whose full chains this probe verifies (the next slice of the
@@ -1157,14 +1163,14 @@ class EchoProposer(EagleProposer):
         drafted = min(pending.drafted_depth, self.max_depth)
         acceptance = budget.acceptance if budget is not None else None
         table = (acceptance.seen, acceptance.accepted) if acceptance is not None else self._no_acceptance_table()
-        history = self.history if pending.history else None
-        with_history = history is not None and acceptance is not None
+        # The request history learns from the steps whose selection used it (its rows are this step's order).
+        history_rows, gain_table, alpha = None, None, 0.0
+        if pending.history and self.history is not None and acceptance is not None:
+            history_rows, gain_table, alpha = self.history.rows, acceptance.table, self.history.alpha
         feedback = chain_feedback(
             sampled, cur, old, verified, pending.confidence, *table,
             drafted=drafted, record_acceptance=acceptance is not None,
-            history=history.rows if with_history and history is not None else None,
-            gain_table=acceptance.table if with_history and acceptance is not None else None,
-            alpha=history.alpha if with_history and history is not None else 0.0,
+            history=history_rows, gain_table=gain_table, alpha=alpha,
         )  # fmt: skip
         self.stats.record_verification_sums(feedback.sums.tolist(), realised=pending.predicted)
         if self._step_log:

@@ -140,6 +140,15 @@ class EchoSettings(BaseModel):
         "from the measured continuation rates (as deeper-than-drafted depths are); false (the default: no gain "
         "measured, docs/benchmarks.md) leaves plain steps out, so that only probes move a plan at plain decoding.",
     )
+    plan_catch_up: float = Field(
+        default=0.5,
+        ge=0.0,
+        le=1.0,
+        description="k_max 'auto': the most one measured step weighs in the depth plan's average after a stretch of "
+        "steps that measured nothing (plain decoding: only probes measure): it weighs as if the average had aged on "
+        "every step of the stretch, up to this; 0 = one step's weight whatever came before (a plan at plain then "
+        "needed two probes, ~32 steps, to leave a bad stretch's values).",
+    )
     defer_plain_head: bool = Field(
         default=True,
         description="vLLM: on a step that drafts nothing (k_max 'auto' chose plain decoding), skip the draft "

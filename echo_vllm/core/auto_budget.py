@@ -344,9 +344,12 @@ class DraftController:
         alpha: float = 0.2,
         request_weight: float = REQUEST_WEIGHT,
         switch_margin: float = 0.0,
+        catch_up: float = 0.0,
     ) -> None:
         self.max_depth = max_depth
         self.switch_margin = switch_margin
+        self.catch_up = catch_up
+        self._unmeasured: dict[int, int] = {}  # per load slot: steps since its last measured one that added nothing
         self._current: dict[int, int] = {}  # per load slot: the depth the plan last chose (not probes)
         self.probe_interval = probe_interval
         self.probe_load_scale = probe_load_scale
@@ -445,14 +448,36 @@ class DraftController:
         self._budget.append(budget)
         self.steps += 1
 
+    def observe_unmeasured(self, batch: int) -> None:
+        """A step of `batch` requests that added no levels (plain decoding, its hindsight off): its load slot's
+        values grow one step older unmeasured (see `observe_levels`)."""
+        slot = load_bucket(batch)
+        self._unmeasured[slot] = self._unmeasured.get(slot, 0) + 1
+
+    def step_weight(self, batch: int, stale_steps: int = 0) -> float:
+        """The averaging weight of one measured step of `batch` requests that follows `stale_steps` steps of its
+        slot that measured nothing: a = min(alpha, 1 - (1 - request_weight)^B) per step; with `catch_up` c > 0
+        and stale steps, the weight the average would have given the step had it aged on every one of them,
+        1 - (1 - a)^(1 + stale), at most max(a, c).
+
+        Why: the average ages per measured step, and a plan at plain decoding measures only its probes (one step
+        in 16), so values from a bad stretch stood for 16 steps per probe. On the testbed at batch 4 the warm-up
+        ended on one: every depth below plain (0.72-0.83), the first probe measured depth 1-4 at 1.24-1.77x plain
+        and moved them only to 0.90-0.95 at one step's weight; the plan sat at plain for 25 steps (two probes)
+        where drafting paid ~1.2x. The cap keeps one step's draw from replacing the average outright."""
+        a = min(self.alpha, 1.0 - (1.0 - self.request_weight) ** max(1, batch))
+        if self.catch_up <= 0.0 or stale_steps <= 0:
+            return a
+        return max(a, min(self.catch_up, 1.0 - (1.0 - a) ** (1 + stale_steps)))
+
     def observe_levels(self, level_rates: list[float], batch: int | None = None) -> None:
         """What a verified step of `batch` requests was worth cut at depth 0..len - 1 (relative to plain decoding),
-        into that batch's load slot; batch None: the current slot, the step weighs `alpha` and counts as measured
-        enough."""
+        into that batch's load slot, at `step_weight` (the slot's stale steps since its last measured one); batch
+        None: the current slot, the step weighs `alpha` and counts as measured enough."""
         self.last_levels = list(level_rates)
         if batch is None:
             self._memory_of(self._slot).add(self.last_levels, self.alpha, MIN_MEASURED_REQUESTS)
             return
-        a = min(self.alpha, 1.0 - (1.0 - self.request_weight) ** max(1, batch))
         self._slot = load_bucket(batch)
+        a = self.step_weight(batch, self._unmeasured.pop(self._slot, 0))
         self._memory_of(self._slot).add(self.last_levels, a, batch)

@@ -163,6 +163,7 @@ class TimeAwareBudget:
         probe_load_scale: int = 0,
         probe_next: bool = False,
         switch_margin: float = 0.0,
+        catch_up: float = 0.0,
         plain_head_rows: str = "measured",
         device: Any = "cpu",
         is_writer: bool = True,
@@ -186,6 +187,7 @@ class TimeAwareBudget:
             probe_load_scale=probe_load_scale,
             probe_next=probe_next,
             switch_margin=switch_margin,
+            catch_up=catch_up,
         )
         self.acceptance = AcceptanceModel(max_depth, device=device)
         # Trees: the nodes off the spine, learned online from the tree steps (not saved: the prior is the node's own
@@ -418,8 +420,10 @@ class TimeAwareBudget:
         depth plan, so only probes can lift it out of plain decoding (batch 64 on the testbed with one probe in 256
         steps: plain on most steps where depth 1 paid 1.2x). The continuation rates move only with verified steps
         and probes, so a plain stretch tracks what the probes last measured instead of freezing the average."""
-        if self.cost_model is None or batch < 1 or not self.plain_hindsight:
+        if self.cost_model is None or batch < 1:
             return
+        if not self.plain_hindsight:
+            return self.controller.observe_unmeasured(batch)
         self._observe_levels(batch, [0.0], [0.0], float(batch), float(batch), self.context)
 
     def _observe_levels(

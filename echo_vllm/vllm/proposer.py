@@ -301,6 +301,7 @@ class EchoProposer(EagleProposer):
                 probe_load_scale=s.probe_load_scale,
                 probe_next=s.probe_depth == "next",
                 switch_margin=s.depth_switch_margin,
+                catch_up=s.plan_catch_up,
                 plain_head_rows=s.plain_head_rows,
                 surplus_tail=s.surplus_tail,
                 profile_path=profile_path,

@@ -27,6 +27,7 @@
 #include "avx2_math.h"
 #include "check_msg.h"
 #include "exp_poly.h"
+#include "isa_calls.h"
 
 #include <algorithm>
 #include <cmath>
@@ -413,7 +414,10 @@ void argmax_logp_rows(const scalar_t* logits, int64_t rows_begin, int64_t rows_e
   float buffer[kChunk];
 #ifdef ECHO_HAVE_AVX2
   const bool avx2 = std::is_same_v<scalar_t, float> && avx2_enabled("ECHO_DRAFT_BASELINE_ISA");
+#else
+  const bool avx2 = false;
 #endif
+  count_isa_call(IsaKernel::kDraftLogp, avx2);
   for (int64_t r = rows_begin; r < rows_end; ++r) {
     const scalar_t* row = logits + r * vocab;
 #ifdef ECHO_HAVE_AVX2
@@ -493,7 +497,10 @@ void topk_logp_rows(const scalar_t* logits, int64_t rows_begin, int64_t rows_end
   std::vector<int64_t> idx(k);
 #ifdef ECHO_HAVE_AVX2
   const bool avx2 = std::is_same_v<scalar_t, float> && avx2_enabled("ECHO_DRAFT_BASELINE_ISA");
+#else
+  const bool avx2 = false;
 #endif
+  count_isa_call(IsaKernel::kDraftLogp, avx2);
   for (int64_t r = rows_begin; r < rows_end; ++r) {
     const scalar_t* row = logits + r * vocab;
     int64_t count = 0;

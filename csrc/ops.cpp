@@ -8,10 +8,13 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <vector>
+
 #include <ATen/ops/empty.h>
 
 #include "budget_op.h"
 #include "check_msg.h"
+#include "isa_calls.h"
 
 namespace echo {
 namespace {
@@ -91,6 +94,13 @@ BudgetOutputs empty_budget_outputs(const at::Tensor& scores) {
           at::empty(scores.sizes(), int_options)};
 }
 
+// Calls per CPU kernel and build so far (isa_calls.h): [draft log-prob AVX2, baseline, tree fix-up AVX2, baseline].
+std::vector<int64_t> cpu_isa_calls() {
+  std::vector<int64_t> out(kIsaKernels * 2);
+  for (int i = 0; i < kIsaKernels * 2; ++i) out[i] = isa_call_counts()[i].load(std::memory_order_relaxed);
+  return out;
+}
+
 }  // namespace echo
 
 TORCH_LIBRARY(echo, m) {
@@ -121,6 +131,8 @@ TORCH_LIBRARY(echo, m) {
       "Tensor predicted, Tensor scores, Tensor valid, Tensor confidence)");
   m.def("draft_argmax_logp(Tensor logits) -> (Tensor ids, Tensor logps)");
   m.def("draft_topk_logp(Tensor logits, int k) -> (Tensor ids, Tensor logps)");
+  // Which build of the CPU kernels ran, counted (isa_calls.h; tests read it).
+  m.def("cpu_isa_calls() -> int[]", &echo::cpu_isa_calls);
   // A verified chain step's feedback in one call (feedback_cpu.cpp; caller: echo_vllm.ops.chain).
   m.def(
       "chain_feedback(Tensor sampled, Tensor cur, Tensor old, Tensor verified, Tensor confidence, Tensor(a!) seen, "

@@ -21,6 +21,7 @@
 #include "check_msg.h"
 #include "avx2_math.h"
 #include "exp_poly.h"
+#include "isa_calls.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -35,10 +36,6 @@
 #include <cstring>
 #include <limits>
 #include <vector>
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>  // the AVX2 build of attend (target attributes; dispatched at run time)
-#endif
 
 namespace echo {
 namespace {
@@ -404,6 +401,7 @@ void fix_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, con
 #else
   const bool avx2 = false;
 #endif
+  count_isa_call(IsaKernel::kTreeFixAttention, avx2);
 
   at::parallel_for(0, num_groups * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> keys_buf, values_buf, q_buf, logits, acc, kf, vf, row_acc;

@@ -24,7 +24,8 @@ from echo_vllm.core.cost_model import CostModel
 from echo_vllm.core.gating import Gates, depth_confidence
 from echo_vllm.core.time_budget import TimeAwareBudget
 from echo_vllm.ops import chain as chain_ops
-from echo_vllm.ops import select_budget
+from echo_vllm.ops import cpu_isa_calls, ops_defined, select_budget
+from echo_vllm.vllm.cpu_isa import echo_kernel_build
 
 needs_op = pytest.mark.skipif(not chain_ops._DEFINED, reason="echo_vllm._C without chain_select (make install)")
 NO_SECONDS = torch.empty(0, dtype=torch.float64)
@@ -352,6 +353,31 @@ def test_draft_argmax_logp_builds_agree(seed, monkeypatch):
         top, top_logps = chain_ops.draft_topk_logp(logits, 4)
         assert torch.equal(top, base_top)
         torch.testing.assert_close(top_logps, base_top_logps, atol=1e-6, rtol=1e-6)
+
+
+@needs_op
+@pytest.mark.skipif(not ops_defined("cpu_isa_calls"), reason="echo_vllm._C without cpu_isa_calls (make install)")
+def test_the_draft_ops_run_the_avx2_build_where_the_cpu_has_it(monkeypatch):
+    """The builds agree on their outputs (above), so only the op's call counters show which ran: float32 rows take
+    the AVX2 build on a CPU with AVX2 and FMA (a dispatch that always fell back would fail here), the baseline
+    with ECHO_DRAFT_BASELINE_ISA=1 or without AVX2, and bfloat16 rows the baseline."""
+    logits = torch.randn((4, 4096), generator=torch.Generator().manual_seed(0))
+    expected = echo_kernel_build()
+
+    def ran(rows: torch.Tensor) -> dict[str, int]:
+        before = cpu_isa_calls()["draft_logp"]
+        chain_ops.draft_argmax_logp(rows)
+        after = cpu_isa_calls()["draft_logp"]
+        return {build: after[build] - before[build] for build in after}
+
+    monkeypatch.delenv("ECHO_DRAFT_BASELINE_ISA", raising=False)
+    native = ran(logits)
+    assert native[expected] >= 1 and native["avx2" if expected == "baseline" else "baseline"] == 0
+    half = ran(logits.to(torch.bfloat16))
+    assert half["baseline"] >= 1 and half["avx2"] == 0
+    monkeypatch.setenv("ECHO_DRAFT_BASELINE_ISA", "1")
+    forced = ran(logits)
+    assert forced["baseline"] >= 1 and forced["avx2"] == 0
 
 
 needs_topk_op = pytest.mark.skipif(

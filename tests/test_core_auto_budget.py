@@ -463,6 +463,56 @@ def test_draft_controller_weighs_a_step_by_its_requests_and_needs_enough_of_them
         assert fresh.value[1] == pytest.approx(1.0 + weight, rel=1e-6)
 
 
+def test_a_measured_step_after_a_plain_stretch_weighs_as_the_stretch_aged_the_average():
+    """A plan at plain decoding measures only its probes: with plan_catch_up the first measured step after k steps
+    that measured nothing weighs 1 - (1 - a)^(1 + k), at most max(a, catch_up), so one good probe lifts values a bad
+    stretch left below plain (batch 4 on the testbed: 25 plain steps, two probes, at one step's weight). Stale
+    steps age only their own load slot; the step after a measured one weighs a again."""
+    from echo_vllm.core.auto_budget import REQUEST_WEIGHT
+    from echo_vllm.core.cost_model import CostModel
+    from echo_vllm.core.time_budget import TimeAwareBudget
+
+    a4 = 1 - (1 - REQUEST_WEIGHT) ** 4
+    bad, good = [1.0, 0.8, 0.8, 0.8], [1.0, 1.6, 1.6, 1.6]
+
+    def settled(catch_up):
+        control = DraftController(3, probe_interval=0, catch_up=catch_up)
+        for _ in range(200):  # long enough that the bias correction no longer matters
+            control.observe_levels(bad, batch=4)
+        assert control.plan(4, 12).depth == 0
+        return control
+
+    on, off = settled(0.5), settled(0.0)
+    for control in (on, off):
+        for _ in range(15):
+            control.observe_unmeasured(4)
+        control.observe_unmeasured(32)  # another load slot's plain step: ages that slot, not batch 4's
+        control.observe_levels(good, batch=4)
+    assert on.value[1] == pytest.approx(0.8 + 0.5 * 0.8)  # capped at catch_up (1 - (1 - a)^16 ~ 0.96)
+    assert on.plan(4, 12).depth == 1  # left plain decoding on the first good measurement
+    assert off.value[1] == pytest.approx(0.8 + a4 * 0.8)
+    assert off.plan(4, 12).depth == 0  # one step's weight: still below plain
+    on.observe_levels(bad, batch=4)  # no stale steps before it: one step's weight again
+    assert on.value[1] == pytest.approx(1.2 - a4 * 0.4)
+    # The weight itself: no stale steps -> a; a few at batch 1 -> compounded; many -> the cap; a cap below a -> a.
+    control = DraftController(3, probe_interval=0, catch_up=0.5)
+    assert control.step_weight(4, 0) == pytest.approx(a4)
+    assert control.step_weight(1, 3) == pytest.approx(1 - (1 - REQUEST_WEIGHT) ** 4)
+    assert control.step_weight(4, 100) == pytest.approx(0.5)
+    assert DraftController(3, probe_interval=0, catch_up=0.1).step_weight(32, 100) == pytest.approx(0.2)
+    assert DraftController(3, probe_interval=0).step_weight(4, 100) == pytest.approx(a4)
+    # Through the budget: plain steps with the hindsight off are the stale steps (with it on they are measured).
+    cost = CostModel((1.0, 2.0, 4.0, 8.0), (1.0, 1.0, 1.0, 1.0), 0.0, (0.0, 0.0, 0.1, 0.0), 0.0, 4)
+    budget = TimeAwareBudget(3, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None, catch_up=0.5)
+    budget.cost_model = cost
+    for _ in range(200):
+        budget.controller.observe_levels(bad, batch=4)
+    for _ in range(15):
+        budget.observe_plain(4)
+    budget.controller.observe_levels(good, batch=4)
+    assert budget.controller.value[1] == pytest.approx(1.2)
+
+
 def test_hindsight_level_rates_price_the_selection_cut_at_each_depth():
     from echo_vllm.core.cost_model import CostModel
     from echo_vllm.core.time_budget import TimeAwareBudget
@@ -779,7 +829,7 @@ def test_at_batch_one_a_few_rejections_do_not_put_the_plan_to_plain_decoding():
     assert plain_steps / steps < 0.02
 
 
-def _steps_to_leave_plain(plain_hindsight: bool, seed: int) -> tuple[float, int | None]:
+def _steps_to_leave_plain(plain_hindsight: bool, seed: int, catch_up: float = 0.0) -> tuple[float, int | None]:
     """Batch 64, a latency-flat-then-linear step (depth 1 pays 1.2x at continuation 0.8, loses at 0.05): 150 steps
     of hard text (0.05) put the plan to plain decoding, then the text turns easy (0.8). Returns (the plain share of
     non-probe steps in steps 100-149, the steps after the switch until a non-probe step drafts again)."""
@@ -792,7 +842,13 @@ def _steps_to_leave_plain(plain_hindsight: bool, seed: int) -> tuple[float, int 
     batch, switch = 64, 150
     rng = random.Random(seed)
     budget = TimeAwareBudget(
-        4, profile_steps=4, probe_interval=16, surplus_tail=True, profile_path=None, plain_hindsight=plain_hindsight
+        4,
+        profile_steps=4,
+        probe_interval=16,
+        surplus_tail=True,
+        profile_path=None,
+        plain_hindsight=plain_hindsight,
+        catch_up=catch_up,
     )
     budget.cost_model = cost
     plans = []
@@ -827,6 +883,17 @@ def test_plain_steps_update_the_depth_plan_so_it_leaves_plain_decoding_when_draf
         assert plain_share_on == plain_share_off == 1.0
         assert left_on is not None and left_on <= 32  # within two probe intervals
         assert left_off is None or left_off > 48
+
+
+def test_with_catch_up_one_good_probe_leaves_plain_decoding_and_hard_text_stays_plain():
+    """The same stretch with plain steps left out of the plan (plain_hindsight off, the default) and plan_catch_up
+    0.5: the probe after a plain stretch weighs as the stretch aged the average, so the plan leaves plain decoding
+    within two probe intervals of the text turning easy, as with plain_hindsight on (without either: 58-74 steps
+    here); on hard text every non-probe step stays plain."""
+    for seed in range(3):
+        plain_share, left = _steps_to_leave_plain(False, seed, catch_up=0.5)
+        assert plain_share == 1.0
+        assert left is not None and left <= 32
 
 
 def test_a_step_that_verified_nothing_is_a_plain_step_in_hindsight():

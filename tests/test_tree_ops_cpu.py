@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from echo_vllm.vllm.cpu_isa import apply_emulation, load_vllm_cpu_kernels
+from echo_vllm.vllm.cpu_isa import apply_emulation, echo_kernel_build, load_vllm_cpu_kernels
 
 apply_emulation()
 pytest.importorskip("vllm")
@@ -24,6 +24,7 @@ pytestmark = pytest.mark.needs_vllm
 import torch  # noqa: E402
 from vllm.v1.attention.backends import cpu_attn  # noqa: E402
 
+from echo_vllm.ops import cpu_isa_calls  # noqa: E402
 from echo_vllm.ops import tree as tree_ops  # noqa: E402
 from echo_vllm.vllm import tree_attn_cpu, tree_state  # noqa: E402
 
@@ -131,6 +132,7 @@ CASES = [
 def test_compiled_fix_rows_match_the_torch_path_and_the_dense_reference(
     seed, heads, kv_heads, dtype, softcap, isa, monkeypatch
 ):
+    build = "baseline" if isa == "baseline" else echo_kernel_build()
     if isa == "baseline":  # the build machines without AVX2 run (see the test below)
         monkeypatch.setenv("ECHO_TREE_BASELINE_ISA", "1")
     batch, kv_cache, query, meta, ctx = random_step(seed, heads, kv_heads, dtype)
@@ -140,7 +142,12 @@ def test_compiled_fix_rows_match_the_torch_path_and_the_dense_reference(
         logits_soft_cap=softcap,
     )  # fmt: skip
     isa = cpu_attn._get_attn_isa(dtype, BLOCK, HEAD, "auto")
+    before = cpu_isa_calls()
     compiled = fix_rows_with(impl, batch, kv_cache, query, meta, isa, torch_path=False)
+    if before is not None:  # which build ran: the outputs agree, so only the op's call counters tell
+        after = cpu_isa_calls()["tree_fix_attention"]
+        ran = {b: after[b] - before["tree_fix_attention"][b] for b in after}
+        assert ran[build] >= 1 and sum(ran.values()) == ran[build], ran
     reference = fix_rows_with(impl, batch, kv_cache, query, meta, isa, torch_path=True)
     rows = batch.fix_rows
     others = torch.ones(query.shape[0], dtype=torch.bool)

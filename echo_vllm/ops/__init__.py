@@ -23,6 +23,7 @@ from echo_vllm.core.tree import DraftTree
 __all__ = [
     "BudgetSelection",
     "active_implementation",
+    "cpu_isa_calls",
     "op_available",
     "select_budget",
     "select_budget_flat",
@@ -127,6 +128,18 @@ def active_implementation() -> dict:
     else:
         cuda, reason = "reference", "echo_vllm._C was built without CUDA (no nvcc or a CPU torch at build time)"
     return {"cpu": "csrc", "cuda": cuda, "reason": reason}
+
+
+def cpu_isa_calls() -> dict[str, dict[str, int]] | None:
+    """Calls so far of each CPU kernel that has an AVX2 build, per build that ran: {"draft_logp": {"avx2": n,
+    "baseline": m}, "tree_fix_attention": {...}} (counted once per parallel chunk); None when the extension
+    lacks the counter. The outputs of both builds agree, so this is how a test proves which one an AVX2 machine
+    takes."""
+    if not ops_defined("cpu_isa_calls"):
+        return None
+    counts = list(torch.ops.echo.cpu_isa_calls())
+    kernels = ("draft_logp", "tree_fix_attention")
+    return {name: {"avx2": counts[2 * i], "baseline": counts[2 * i + 1]} for i, name in enumerate(kernels)}
 
 
 def _log_fallback(device: torch.device) -> None:

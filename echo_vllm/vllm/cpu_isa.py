@@ -61,6 +61,15 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def echo_kernel_build() -> str:
+    """The build of echo_vllm._C's CPU kernels with an AVX2 twin that this CPU runs (csrc/avx2_math.h): "avx2" on
+    x86-64 with AVX2 and FMA, else "baseline" (`echo_vllm.ops.cpu_isa_calls` counts which one did)."""
+    import platform
+
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    return "avx2" if x86 and {"avx2", "fma"} <= cpu_flags() else "baseline"
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from echo_vllm.core.width_schedule import WidthSchedule
 
 
@@ -23,6 +25,22 @@ def test_warmup_drafts_chains_and_profile_drafts_trees() -> None:
     schedule = WidthSchedule(patience=2)
     assert not schedule.drafts_trees("warmup", True)
     assert schedule.drafts_trees("profile", False)
+
+
+@pytest.mark.parametrize("max_depth", [2, 3, 4, 6])
+def test_the_profile_drafts_every_depth_once_as_trees_and_once_as_chains(max_depth) -> None:
+    """Trees on the profile's even depth blocks, chains on the odd ones: the cost fit sees verifying steps with
+    and without tree rows at every depth (with trees everywhere the tree steps' fixed cost could pass for the jump
+    of verifying at all, which chain steps then paid)."""
+    from echo_vllm.core.time_budget import PROFILE_HOLD, profile_step
+
+    schedule = WidthSchedule()
+    cycle = 2 * (max_depth + 1) * PROFILE_HOLD
+    shapes = {(profile_step(i, max_depth)[0], schedule.drafts_trees("profile", False, i)) for i in range(cycle)}
+    assert shapes == {(d, t) for d in range(max_depth + 1) for t in (True, False)}
+    for block in range(2 * (max_depth + 1)):  # whole blocks: a held depth keeps its shape
+        held = {schedule.drafts_trees("profile", False, block * PROFILE_HOLD + j) for j in range(PROFILE_HOLD)}
+        assert held == {block % 2 == 0}
 
 
 def test_a_probe_does_not_restart_patience() -> None:

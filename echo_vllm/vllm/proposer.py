@@ -725,7 +725,8 @@ class EchoProposer(EagleProposer):
         """Whether to draft this step's siblings (`WidthSchedule`: after `WIDTH_PATIENCE` budget-decided tree steps
         in a row bought none, only probes and the step after each)."""
         probe_due = self.budget.probe_due(batch, self.warming_up) if self.budget is not None else None
-        return self._width_schedule.drafts_trees(self.phase, probe_due)
+        profile_index = self.budget.profile_done if self.budget is not None else None
+        return self._width_schedule.drafts_trees(self.phase, probe_due, profile_index)
 
     def note_plan_mismatch(self, count: int) -> None:
         """`count` requests' scheduled drafts were not their plans' (vLLM replaced them): verified as chains."""

@@ -144,10 +144,11 @@ class EchoSettings(BaseModel):
         default=0.5,
         ge=0.0,
         le=1.0,
-        description="k_max 'auto': the most one measured step weighs in the depth plan's average after a stretch of "
-        "steps that measured nothing (plain decoding: only probes measure): it weighs as if the average had aged on "
-        "every step of the stretch, up to this; 0 = one step's weight whatever came before (a plan at plain then "
-        "needed two probes, ~32 steps, to leave a bad stretch's values).",
+        description="k_max 'auto': the most one measured step of a small batch (one that weighs less than a full "
+        "step in the depth plan's average: batch 1-4) weighs after a stretch of steps that measured nothing (plain "
+        "decoding: only probes measure): as if the average had aged on every step of the stretch, up to this; 0 = "
+        "one step's weight whatever came before (a plan at plain then needed two probes, ~32 steps, to leave a bad "
+        "stretch's values). Larger batches always weigh one step (there it cost 2-5 % at batch 16).",
     )
     defer_plain_head: bool = Field(
         default=True,

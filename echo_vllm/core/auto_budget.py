@@ -456,17 +456,21 @@ class DraftController:
 
     def step_weight(self, batch: int, stale_steps: int = 0) -> float:
         """The averaging weight of one measured step of `batch` requests that follows `stale_steps` steps of its
-        slot that measured nothing: a = min(alpha, 1 - (1 - request_weight)^B) per step; with `catch_up` c > 0
-        and stale steps, the weight the average would have given the step had it aged on every one of them,
-        1 - (1 - a)^(1 + stale), at most max(a, c).
+        slot that measured nothing: a = min(alpha, 1 - (1 - request_weight)^B) per step; with `catch_up` c > 0,
+        stale steps and a below alpha (few requests: batch 1-4 at the defaults), the weight the average would have
+        given the step had it aged on every one of them, 1 - (1 - a)^(1 + stale), at most c.
 
         Why: the average ages per measured step, and a plan at plain decoding measures only its probes (one step
         in 16), so values from a bad stretch stood for 16 steps per probe. On the testbed at batch 4 the warm-up
         ended on one: every depth below plain (0.72-0.83), the first probe measured depth 1-4 at 1.24-1.77x plain
         and moved them only to 0.90-0.95 at one step's weight; the plan sat at plain for 25 steps (two probes)
-        where drafting paid ~1.2x. The cap keeps one step's draw from replacing the average outright."""
+        where drafting paid ~1.2x. The cap keeps one step's draw from replacing the average outright. Only at
+        small batches: there drafting pays clearly (1.2-1.5x) and one text's hard stretch is what put the plan at
+        plain; at batch 16, where plain decoding and drafting run close, the rule cost 2-5 % (3 of 3 paired
+        rounds: one probe's noise flips the plan), while batch 1 gained ~8 % (scripts/variants_ab.py,
+        docs/benchmarks.md)."""
         a = min(self.alpha, 1.0 - (1.0 - self.request_weight) ** max(1, batch))
-        if self.catch_up <= 0.0 or stale_steps <= 0:
+        if self.catch_up <= 0.0 or stale_steps <= 0 or a >= self.alpha:
             return a
         return max(a, min(self.catch_up, 1.0 - (1.0 - a) ** (1 + stale_steps)))
 

@@ -419,7 +419,8 @@ class TimeAwareBudget:
         accepted it (`observe_verification` with nothing drafted). Without this a plain step adds nothing to the
         depth plan, so only probes can lift it out of plain decoding (batch 64 on the testbed with one probe in 256
         steps: plain on most steps where depth 1 paid 1.2x). The continuation rates move only with verified steps
-        and probes, so a plain stretch tracks what the probes last measured instead of freezing the average."""
+        and probes, so a plain stretch tracks what the probes last measured instead of freezing the average. With
+        the hindsight off (the default) the step only ages its load slot's values (`DraftController.step_weight`)."""
         if self.cost_model is None or batch < 1:
             return
         if not self.plain_hindsight:

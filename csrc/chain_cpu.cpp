@@ -408,16 +408,24 @@ __attribute__((target("avx2,fma"))) bool argmax_logp_row_avx2(const float* row, 
 }
 #endif
 
+// Whether this chunk of draft rows runs the AVX2 build (float32 rows on an AVX2 + FMA CPU, unless
+// ECHO_DRAFT_BASELINE_ISA=1), counted for `echo::cpu_isa_calls`.
 template <typename scalar_t>
-void argmax_logp_rows(const scalar_t* logits, int64_t rows_begin, int64_t rows_end, int64_t vocab, int64_t* ids,
-                      float* logps) {
-  float buffer[kChunk];
+bool draft_rows_use_avx2() {
 #ifdef ECHO_HAVE_AVX2
   const bool avx2 = std::is_same_v<scalar_t, float> && avx2_enabled("ECHO_DRAFT_BASELINE_ISA");
 #else
   const bool avx2 = false;
 #endif
   count_isa_call(IsaKernel::kDraftLogp, avx2);
+  return avx2;
+}
+
+template <typename scalar_t>
+void argmax_logp_rows(const scalar_t* logits, int64_t rows_begin, int64_t rows_end, int64_t vocab, int64_t* ids,
+                      float* logps) {
+  float buffer[kChunk];
+  const bool avx2 = draft_rows_use_avx2<scalar_t>();
   for (int64_t r = rows_begin; r < rows_end; ++r) {
     const scalar_t* row = logits + r * vocab;
 #ifdef ECHO_HAVE_AVX2
@@ -495,12 +503,7 @@ void topk_logp_rows(const scalar_t* logits, int64_t rows_begin, int64_t rows_end
   float buffer[kChunk];
   std::vector<float> vals(k);
   std::vector<int64_t> idx(k);
-#ifdef ECHO_HAVE_AVX2
-  const bool avx2 = std::is_same_v<scalar_t, float> && avx2_enabled("ECHO_DRAFT_BASELINE_ISA");
-#else
-  const bool avx2 = false;
-#endif
-  count_isa_call(IsaKernel::kDraftLogp, avx2);
+  const bool avx2 = draft_rows_use_avx2<scalar_t>();
   for (int64_t r = rows_begin; r < rows_end; ++r) {
     const scalar_t* row = logits + r * vocab;
     int64_t count = 0;

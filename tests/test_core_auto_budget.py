@@ -106,6 +106,25 @@ def test_chooser_charges_tree_steps_for_their_nodes_off_the_spine():
     assert int(cheap.k) == 8
 
 
+def test_chooser_charges_width_the_drafting_of_trees():
+    # The same candidates on a flat curve (1 s) with drafting that costs 1 s as chains: the spines give
+    # (1 + 2.6) / 2 = 1.8 tokens/s. Width pays while drafting trees costs no more, or 0.4 s more, and not at 1 s more.
+    gains = torch.tensor([0.8, 0.7, 0.6, 0.5, 0.3, 0.3, 0.2, 0.2], dtype=torch.float64)
+    width = torch.tensor([False] * 4 + [True] * 4)
+    args = (gains, torch.ones(8, dtype=torch.long), torch.ones(8, dtype=torch.bool), torch.ones(9), torch.ones(2))
+    same = choose_budget(*args, base_tokens=1.0, k_cap=8, ordered_width=width, tree_draft_seconds=torch.ones(2))
+    assert int(same.k) == 8  # (1 + 3.6) / 2 = 2.3 against the spines' (1 + 2.6) / 2 = 1.8
+    dear = choose_budget(*args, base_tokens=1.0, k_cap=8, ordered_width=width, tree_draft_seconds=torch.full((2,), 2.0))
+    assert int(dear.k) == 4  # (1 + 3.6) / 3 = 1.53 < 1.8: a chain step
+    near = choose_budget(*args, base_tokens=1.0, k_cap=8, ordered_width=width, tree_draft_seconds=torch.full((2,), 1.4))
+    assert int(near.k) == 8  # (1 + 3.6) / 2.4 = 1.92 > 1.8
+    # Only prefixes with width pay the tree drafting: the spines' prefixes keep their chain price.
+    spines = choose_budget(
+        *args, base_tokens=1.0, k_cap=4, ordered_width=width, tree_draft_seconds=torch.full((2,), 9.0)
+    )
+    assert int(spines.k) == 4
+
+
 def test_chooser_charges_the_draft_depth_and_respects_cap_and_floor():
     gains = torch.tensor([0.9, 0.9, 0.05, 0.05], dtype=torch.float64)
     depth = torch.tensor([1, 1, 2, 2])  # two requests, depth 2 each, in rank order

@@ -100,6 +100,65 @@ def test_tree_steps_extra_cost_is_recovered_and_travels():
     assert chains is not None and chains.tree_terms == pytest.approx((0.0, 0.0), abs=1e-4)
 
 
+def _tree_draft_samples(p0: float, p1: float, n=300, seed=11, noise=0.02):
+    """A tree engine's steps: a third draft trees (their proposer pays p0 + p1 B d more), the rest chains, over
+    batches 1-16 and depths 0-4 (a depth-0 step drafts nothing, trees or not)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        batch, depth = rng.choice([1, 4, 8, 16]), rng.randint(0, 4)
+        trees = i % 3 == 0
+        tokens = batch * (1 + depth)
+        draft = _draft_first_pass(batch, depth) + (p0 + p1 * batch * depth if trees and depth else 0.0)
+        rest = 0.002 + 0.0003 * tokens
+        out.append(
+            StepSample(
+                tokens,
+                batch,
+                depth,
+                rest * rng.uniform(1 - noise, 1 + noise),
+                draft * rng.uniform(1 - noise, 1 + noise),
+                tree_drafted=trees,
+            )  # fmt: skip
+        )
+    return out
+
+
+def test_tree_drafting_is_priced_apart_from_chain_drafting_and_travels(tmp_path):
+    # The testbed at batch 8: a tree-drafting step's proposer takes ~1.5 ms more than a chain step's. Fitted with
+    # its own term, chain drafting keeps its price (without it the extra spreads over every step's draft terms).
+    p0, p1 = 0.0005, 0.00006
+    samples = _tree_draft_samples(p0, p1)
+    model = fit_cost_model(samples)
+    assert model is not None and model.fit_error < 0.05
+    assert model.tree_draft_terms == pytest.approx((p0, p1), rel=0.3)
+    for batch in (1, 8, 16):
+        for depth in range(5):
+            chain = _draft_first_pass(batch, depth)
+            assert model.draft_seconds(batch, depth) == pytest.approx(chain, rel=0.08)
+            tree = chain + (p0 + p1 * batch * depth if depth else 0.0)
+            assert model.draft_seconds(batch, depth, trees=True) == pytest.approx(tree, rel=0.08)
+    assert model.tree_draft_at(8, 0) == 0.0
+    blind = fit_cost_model([dataclasses.replace(s, tree_drafted=False) for s in samples])
+    assert blind is not None and blind.tree_draft_terms == (0.0, 0.0)
+    # Blind to the shape, a tree-drafting step is priced as a chain step (+ a share of the trees' extra, which the
+    # robust fit mostly discounts as outliers): the selection then buys width as if its drafting were free.
+    tree_truth = _draft_first_pass(8, 2) + p0 + p1 * 16
+    assert blind.draft_seconds(8, 2, trees=True) < 0.8 * tree_truth
+    chains = fit_cost_model([s for s in samples if not s.tree_drafted])
+    assert chains is not None and chains.tree_draft_terms == pytest.approx((0.0, 0.0), abs=1e-6)
+    # Transport: the vector and the profile file; older vectors and profiles load without the term.
+    assert CostModel.from_vector(model.to_vector()) == model
+    assert CostModel.from_vector(model.to_vector()[:-2]).tree_draft_terms == (0.0, 0.0)
+    path = tmp_path / "p.budget.json"
+    save_profile(path, model, AcceptanceModel(4))
+    assert load_profile(path, 4)[0] == model
+    raw = json.loads(path.read_text())
+    del raw["cost_model"]["tree_draft_terms"]
+    path.write_text(json.dumps(raw))
+    assert load_profile(path, 4)[0].tree_draft_terms == (0.0, 0.0)
+
+
 def _draft_first_pass(batch, depth):
     """The testbed's shape: the first draft pass (it also feeds the last step's accepted tokens) costs ~2.5x a
     chained pass."""
@@ -118,7 +177,7 @@ def test_first_pass_cost_is_recovered_and_deep_drafts_are_not_overpriced():
     # The marginal depth costs a chained pass, not the first pass's share (the linear model's bias to shallow).
     assert model.draft_seconds(1, 4) - model.draft_seconds(1, 3) == pytest.approx(0.0006, rel=0.15)
     # Profiles written before the first-pass terms load as the linear model (zeros); the verify terms came after.
-    old_vector = model.to_vector()[:-6]  # less first-pass (2), verify (2), deferred (1) and context (1) terms
+    old_vector = model.to_vector()[:-8]  # less first-pass (2), verify (2), deferred, context, tree-draft (2) terms
     assert CostModel.from_vector(old_vector).first_pass_terms == (0.0, 0.0)
 
 
@@ -197,7 +256,7 @@ def test_the_jump_of_verifying_at_all_is_recovered_and_small_budgets_are_not_und
     flat = dataclasses.replace(model, verify_terms=(0.0, 0.0))
     assert flat.step_seconds(9, 8, 0, verified=1) - flat.step_seconds(8, 8, 0) < 0.001
     # Vectors and profiles written before the verify terms load with zeros.
-    assert CostModel.from_vector(model.to_vector()[:-4]).verify_terms == (0.0, 0.0)  # less verify, h, k
+    assert CostModel.from_vector(model.to_vector()[:-6]).verify_terms == (0.0, 0.0)  # less verify, h, k, tree-draft
 
 
 def _tree_engine_profile(seed: int) -> list[StepSample]:
@@ -424,7 +483,7 @@ def test_a_context_model_travels_and_older_vectors_and_profiles_load_without_it(
     model = fit_cost_model(_context_samples(2.7e-6))
     assert model is not None
     assert CostModel.from_vector(model.to_vector()) == model
-    assert CostModel.from_vector(model.to_vector()[:-1]).context_s == 0.0  # a vector from before the term
+    assert CostModel.from_vector(model.to_vector()[:-3]).context_s == 0.0  # a vector from before the term
     path = tmp_path / "p.budget.json"
     save_profile(path, model, AcceptanceModel(4))
     assert load_profile(path, 4)[0] == model

@@ -114,6 +114,7 @@ def choose_budget(
     k_min: int = 0,
     ordered_width: torch.Tensor | None = None,
     tree_terms: tuple[float, float] = (0.0, 0.0),
+    tree_draft_seconds: torch.Tensor | None = None,
 ) -> BudgetChoice:
     """The (draft depth d, prefix of ECHO's order) with the highest expected tokens per second (no host sync).
 
@@ -122,6 +123,8 @@ def choose_budget(
     0..D. For each d the candidates deeper than d drop out and the rate of every prefix of the rest is
     (base + sum of gains) / (rest(k) + draft(d)); plain decoding (k = 0 at d = 0) comes first, so among equal
     rates the cheapest wins. k_cap bounds and k_min (probe steps) floors the count (at most at the eligible count).
+    ordered_width [M]: the candidates off the spine; a prefix holding W > 0 of them pays tree_terms (t0 + t1 W)
+    and drafts with tree_draft_seconds [D + 1] in place of draft_seconds (None: the same drafting either way).
     """
     device = ordered_gains.device
     m = ordered_gains.numel()
@@ -132,11 +135,15 @@ def choose_budget(
     rest = rest_seconds.to(device, torch.float64)
     draft = draft_seconds.to(device, torch.float64)
     step_rest = rest[count]
-    if ordered_width is not None and any(tree_terms):
-        # A prefix that verifies W > 0 nodes off the spine is a tree step: it pays t0 + t1 W on top of its tokens.
+    step_draft = draft.unsqueeze(1)  # [D + 1, 1]: every prefix of a cut depth drafts alike ...
+    if ordered_width is not None and (any(tree_terms) or tree_draft_seconds is not None):
+        # A prefix that verifies W > 0 nodes off the spine is a tree step: it pays t0 + t1 W on top of its tokens,
+        # and its width keeps the engine drafting trees (`WidthSchedule`): the drafting it is charged is a tree's.
         width = torch.cumsum((mask & ordered_width.unsqueeze(0)).to(torch.float64), dim=1)
         step_rest = step_rest + torch.where(width > 0, tree_terms[0] + tree_terms[1] * width, torch.zeros_like(width))
-    rate = (base_tokens + gain) / (step_rest + draft.unsqueeze(1)).clamp(min=1e-12)
+        if tree_draft_seconds is not None:  # ... but for the prefixes with width
+            step_draft = torch.where(width > 0, tree_draft_seconds.to(device, torch.float64).unsqueeze(1), step_draft)
+    rate = (base_tokens + gain) / (step_rest + step_draft).clamp(min=1e-12)
     plain = (base_tokens / (rest[0] + draft[0]).clamp(min=1e-12)).reshape(1)
     # A probe's floor is what it can verify: with fewer eligible candidates than k_min (rows dropped as partial
     # prefills, drafting stopped at a closed gate) it verifies them all; a floor above them made every cut
@@ -179,11 +186,13 @@ def select_auto(
     surplus_tail: bool,
     k_min: int = 0,
     tree_terms: tuple[float, float] = (0.0, 0.0),
+    tree_draft_seconds: torch.Tensor | None = None,
 ) -> AutoSelection:
     """ECHO's order, cut where expected tokens per second peak (see `choose_budget` and the module docstring).
 
     gains [B, N]: each node's probability of being accepted; rest_seconds [B * N + 1]; draft_seconds [D + 1];
-    tree_terms: the cost model's (t0, t1), charged to prefixes that verify nodes off the spine.
+    tree_terms: the cost model's (t0, t1), charged to prefixes that verify nodes off the spine; tree_draft_seconds
+    [D + 1]: the drafting charged to those prefixes (None: draft_seconds).
     """
     rank, eligible = priority_rank(tree, gates, surplus_tail)
     choice = choose_budget(
@@ -197,6 +206,7 @@ def select_auto(
         k_min=k_min,
         ordered_width=in_rank_order(rank, eligible & ~tree.spine),
         tree_terms=tree_terms,
+        tree_draft_seconds=tree_draft_seconds,
     )
     chosen = eligible & (rank <= choice.last_position) & (tree.depth <= choice.depth)
     return AutoSelection(compact_selection(chosen, tree.depth, tree.parent), choice)

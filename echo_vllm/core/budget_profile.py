@@ -16,7 +16,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from echo_vllm.core.acceptance import AcceptanceModel
 from echo_vllm.core.atomic_file import atomic_write_text
-from echo_vllm.core.cost_model import DRAFT_TERMS, FIRST_PASS_TERMS, TREE_TERMS, VERIFY_TERMS, CostModel
+from echo_vllm.core.cost_model import (
+    DRAFT_TERMS,
+    FIRST_PASS_TERMS,
+    TREE_DRAFT_TERMS,
+    TREE_TERMS,
+    VERIFY_TERMS,
+    CostModel,
+)
 from echo_vllm.errors import CalibrationError
 
 SCHEMA_VERSION = 1
@@ -45,6 +52,10 @@ class _CostModelJson(BaseModel):
     deferred_row_s: float = Field(default=0.0, ge=0)
     # Added with the context term; profiles written before it have none (the curve in N carries the context).
     context_s: float = Field(default=0.0, ge=0)
+    # Added with the tree-drafting term; profiles written before it have none (tree drafting priced as chains).
+    tree_draft_terms: list[float] = Field(
+        default_factory=lambda: [0.0, 0.0], min_length=TREE_DRAFT_TERMS, max_length=TREE_DRAFT_TERMS
+    )
 
 
 class _AcceptanceJson(BaseModel):
@@ -89,6 +100,7 @@ def save_profile(path: str | os.PathLike[str], cost: CostModel, acceptance: Acce
             "verify_terms": list(cost.verify_terms),
             "deferred_row_s": cost.deferred_row_s,
             "context_s": cost.context_s,
+            "tree_draft_terms": list(cost.tree_draft_terms),
         },
         "acceptance": acceptance.to_json_dict(),
     }
@@ -141,6 +153,7 @@ def load_profile(
             (c.verify_terms[0], c.verify_terms[1]),
             c.deferred_row_s,
             c.context_s,
+            (c.tree_draft_terms[0], c.tree_draft_terms[1]),
         )
         acceptance = AcceptanceModel.from_json_dict(data.acceptance.model_dump(), expected_max_depth, device)
     except (ValueError, RuntimeError) as err:

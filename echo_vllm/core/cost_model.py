@@ -28,6 +28,14 @@ A step whose requests hold C tokens in the KV cache already (their context, summ
                 drafting shapes the plan ran rarely the most, and the plan swung between plain decoding and depth 3
                 where static depths 1-2 were best. A sample without a context (C = 0, e.g. the HF engine) leaves k
                 at 0.
+A step whose drafter drafted trees (the per-depth top-k siblings, `top_k > 1`) adds to its drafting
+  tree_draft(B, d) = p0 + p1 B d: the top-k of every drafted depth and the tree's listing in the selection,
+                which a chain-drafting step does not pay. On the testbed at batch 8 a tree-drafting step's proposer
+                took 4.4 / 6.1 ms at depths 1 / 2 against 3.0 / 4.7 for chains (medians, s27 profile job). Without
+                the term that extra was spread over every step's draft terms (chain steps priced high) and the
+                selection bought siblings as if drafting them were free: the next step drafts trees again because
+                of them (`WidthSchedule`), so the budget charges a prefix with width the next step's tree drafting
+                (`TimeAwareBudget.curves`), and width is bought only where it pays for that too.
 A step whose first pass also carries R head rows deferred from earlier plain steps (`defer_plain_head`) adds
   deferred(R) = h R: the head's work those plain steps skipped. Without this term the merged backlog was charged
                 to the first-pass terms of every drafting step (f + g B) and plain steps looked free of head work:
@@ -63,6 +71,7 @@ FIRST_PASS_TERMS = 2  # f, g of draft(B, d): the step cost of drafting at all (d
 VERIFY_TERMS = 2  # v0, v1 of verify(B): the step cost of verifying at all (V >= 1)
 DEFERRED_TERMS = 1  # h of deferred(R): seconds per deferred head row merged into a first pass
 CONTEXT_TERMS = 1  # k of context(C): seconds per token already in the KV cache of the step's requests
+TREE_DRAFT_TERMS = 2  # p0, p1 of tree_draft(B, d): the extra drafting of a step that drafts trees
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,7 @@ class StepSample:
     verified: int = 0  # draft tokens verified in this step's forward (0: a plain step)
     merged: int = 0  # head rows of earlier plain steps merged into this step's first pass (defer_plain_head)
     context: int = 0  # tokens already in the KV cache of the step's requests, summed (0: not measured)
+    tree_drafted: bool = False  # this step's drafter drafted trees (per-depth top-k siblings), not chains
 
 
 class StepSamples:
@@ -150,7 +160,8 @@ class CostModel:
     tree terms (t0, t1) of a step verifying W > 0 nodes off the spine; first-pass terms (f, g) of a step that
     drafts at all (absent from profiles written before them: 0, the old linear model); h = `deferred_row_s`, the
     head's work per row deferred from a plain step (0 in older profiles, and without `defer_plain_head`); k =
-    `context_s`, seconds per context token (0 in older profiles).
+    `context_s`, seconds per context token (0 in older profiles); (p0, p1) = `tree_draft_terms`, the extra
+    drafting of a tree-drafting step (0 in older profiles and in chain engines).
 
     fit_error: median relative error |predicted - observed| / observed of the step time over the fitted samples.
     """
@@ -166,6 +177,7 @@ class CostModel:
     verify_terms: tuple[float, float] = (0.0, 0.0)
     deferred_row_s: float = 0.0
     context_s: float = 0.0
+    tree_draft_terms: tuple[float, float] = (0.0, 0.0)
 
     def __post_init__(self) -> None:
         if len(self.knots) < 2 or len(self.knots) != len(self.rest_s):
@@ -174,15 +186,18 @@ class CostModel:
             raise ValueError("cost model knots must be strictly increasing")
         values = [
             *self.rest_s, self.per_request_s, *self.draft_terms, *self.tree_terms, *self.first_pass_terms,
-            *self.verify_terms, self.deferred_row_s, self.context_s,
+            *self.verify_terms, self.deferred_row_s, self.context_s, *self.tree_draft_terms,
         ]  # fmt: skip
         if (
             len(self.draft_terms) != DRAFT_TERMS
             or len(self.tree_terms) != TREE_TERMS
             or len(self.first_pass_terms) != FIRST_PASS_TERMS
             or len(self.verify_terms) != VERIFY_TERMS
+            or len(self.tree_draft_terms) != TREE_DRAFT_TERMS
         ):
-            raise ValueError("a cost model has 4 draft terms, 2 tree terms, 2 first-pass terms and 2 verify terms")
+            raise ValueError(
+                "a cost model has 4 draft terms, 2 tree terms, 2 first-pass terms, 2 verify terms and 2 tree-draft terms"
+            )
         if not all(math.isfinite(v) and v >= 0 for v in values):
             raise ValueError("cost model times must be finite and >= 0")
 
@@ -221,11 +236,23 @@ class CostModel:
         w = width.to(torch.float64)
         return torch.where(w > 0, t0 + t1 * w, torch.zeros_like(w))
 
-    def draft_seconds(self, batch: int, draft_depth: int) -> float:
+    def draft_seconds(self, batch: int, draft_depth: int, trees: bool = False) -> float:
+        """The proposer's seconds drafting `draft_depth` deep at `batch` (trees: with the per-depth siblings)."""
         a, b, c, e = self.draft_terms
         f, g = self.first_pass_terms
         first = f + g * batch if draft_depth >= 1 else 0.0
-        return a + b * batch + first + draft_depth * (c + e * batch)
+        return (
+            a
+            + b * batch
+            + first
+            + draft_depth * (c + e * batch)
+            + (self.tree_draft_at(batch, draft_depth) if trees else 0.0)
+        )
+
+    def tree_draft_at(self, batch: int, draft_depth: int) -> float:
+        """tree_draft(B, d): what drafting trees adds to drafting chains (0 at depth 0: nothing drafted)."""
+        p0, p1 = self.tree_draft_terms
+        return p0 + p1 * batch * draft_depth if draft_depth >= 1 else 0.0
 
     def plain_head_seconds(self, batch: int) -> float:
         """The head's deferred work a plain step of `batch` requests leaves for a later first pass (h B)."""
@@ -241,7 +268,7 @@ class CostModel:
 
     def to_vector(self) -> list[float]:
         """Flat floats: [K, knots..., rest..., per_request, draft terms..., fit_error, num_samples, tree terms...,
-        first-pass terms..., verify terms..., h, k]."""
+        first-pass terms..., verify terms..., h, k, tree-draft terms...]."""
         return [
             float(len(self.knots)),
             *self.knots,
@@ -255,6 +282,7 @@ class CostModel:
             *self.verify_terms,
             self.deferred_row_s,
             self.context_s,
+            *self.tree_draft_terms,
         ]
 
     @classmethod
@@ -269,13 +297,16 @@ class CostModel:
         verify = (tail[11], tail[12]) if len(tail) >= 13 else (0.0, 0.0)
         deferred = tail[13] if len(tail) >= 14 else 0.0
         context = tail[14] if len(tail) >= 15 else 0.0
-        return cls(knots, rest, tail[0], draft, tail[5], int(tail[6]), tree, first, verify, deferred, context)
+        tree_draft = (tail[15], tail[16]) if len(tail) >= 17 else (0.0, 0.0)
+        return cls(
+            knots, rest, tail[0], draft, tail[5], int(tail[6]), tree, first, verify, deferred, context, tree_draft
+        )
 
 
 def vector_length(num_knots: int) -> int:
     return (
         1 + 2 * num_knots + 1 + DRAFT_TERMS + 2 + TREE_TERMS + FIRST_PASS_TERMS + VERIFY_TERMS + DEFERRED_TERMS
-        + CONTEXT_TERMS
+        + CONTEXT_TERMS + TREE_DRAFT_TERMS
     )  # fmt: skip
 
 
@@ -375,6 +406,7 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
     verifying = torch.tensor([1.0 if s.verified > 0 else 0.0 for s in rows], dtype=torch.float64)
     merged = torch.tensor([s.merged for s in rows], dtype=torch.float64)
     context = torch.tensor([s.context for s in rows], dtype=torch.float64)
+    trees = torch.tensor([1.0 if s.tree_drafted and s.draft_depth >= 1 else 0.0 for s in rows], dtype=torch.float64)
 
     knots = torch.tensor(_knots_for(float(n.max())), dtype=torch.float64)
     k = knots.numel()
@@ -390,7 +422,20 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
     context_s = float(v[k + 5]) / 1e3
 
     drafts = (depth >= 1).to(torch.float64)
-    x_draft = torch.stack([torch.ones_like(batch), batch, depth, depth * batch, drafts, drafts * batch, merged], dim=1)
+    x_draft = torch.stack(
+        [
+            torch.ones_like(batch),
+            batch,
+            depth,
+            depth * batch,
+            drafts,
+            drafts * batch,
+            merged,
+            trees,
+            trees * batch * depth,
+        ],
+        dim=1,
+    )
     w = _nonnegative_lstsq(x_draft, draft, 1e-9 * len(rows))
     terms = tuple(float(t) for t in w)
 
@@ -416,6 +461,7 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
         verify,
         terms[6],
         context_s,
+        (terms[7], terms[8]),
     )
 
 

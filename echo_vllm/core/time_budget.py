@@ -285,6 +285,10 @@ class TimeAwareBudget:
             gains = self.acceptance.node_gain(tree, depth, False, self.width_acceptance)
             return selection, (gains * selection.selected).sum(dtype=torch.float64)
         rest_s, draft_s = self.curves(batch, tree.scores.numel(), depth, plan.depth, tree.scores.device)
+        cost = self.cost_model
+        # Width bought keeps the engine drafting trees (WidthSchedule): the prefixes with width are charged the next
+        # step's drafting as a tree's, so siblings are bought only where they pay for that too.
+        tree_draft_s = None if chain or cost is None else draft_s + cost.tree_draft_at(batch, plan.depth)
         auto = select_auto(
             tree,
             gates,
@@ -295,7 +299,8 @@ class TimeAwareBudget:
             k_cap=plan.k_cap,
             surplus_tail=self.surplus_tail,
             k_min=plan.k_cap if plan.probe else 0,  # a probe measures every depth: it verifies all it drafted
-            tree_terms=self.cost_model.tree_terms if self.cost_model is not None else (0.0, 0.0),
+            tree_terms=cost.tree_terms if cost is not None else (0.0, 0.0),
+            tree_draft_seconds=tree_draft_s,
         )
         return auto.selection, auto.choice.predicted_accepted
 

@@ -833,7 +833,7 @@ class EchoProposer(EagleProposer):
             if self.budget is not None:
                 sample = StepSample(
                     num_tokens, batch, depth, rest_s, draft_s, self.forward_fix_rows, self._verified_in_forward,
-                    self._merged_rows, self._step_context if self._cost_context else 0,
+                    self._merged_rows, self._step_context if self._cost_context else 0, self._tree_step,
                 )  # fmt: skip
                 self.budget.add_sample(sample, self.warming_up)
         self._last_end = end

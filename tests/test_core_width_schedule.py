@@ -15,7 +15,7 @@ def _run(schedule: WidthSchedule, steps: int, probe_every: int, buys: set[int] |
         probe = step % probe_every == 0
         trees = schedule.drafts_trees("auto", probe)
         drafted.append(trees)
-        schedule.after_plan(probe)
+        schedule.after_plan(probe and trees)  # the proposer: a look follows a probe that drafted trees
         if trees:
             schedule.observe(probe or step in (buys or set()), probe)
     return drafted
@@ -46,7 +46,7 @@ def test_the_profile_drafts_every_depth_once_as_trees_and_once_as_chains(max_dep
 def test_a_probe_does_not_restart_patience() -> None:
     """The regression: a probe verifies every sibling by rule; counted as bought width, every probe restarted
     `patience` tree-drafting steps and most steps drafted trees although the budget never bought a sibling."""
-    drafted = _run(WidthSchedule(patience=3), steps=64, probe_every=16)
+    drafted = _run(WidthSchedule(patience=3, max_backoff=0), steps=64, probe_every=16)  # looks without back-off
     # Patience (three non-probe tree steps after the probe at 0) runs out once; then only each probe and the step
     # after it draft trees.
     expected = [s <= 3 or s % 16 in (0, 1) for s in range(64)]
@@ -63,7 +63,7 @@ def test_width_bought_at_a_look_restarts_patience() -> None:
 
 
 def test_without_a_depth_plan_looks_come_from_the_own_clock() -> None:
-    schedule = WidthSchedule(patience=1, interval=4)
+    schedule = WidthSchedule(patience=1, interval=4, max_backoff=0)
     drafted = []
     for _ in range(12):
         trees = schedule.drafts_trees("fixed", None)
@@ -71,3 +71,34 @@ def test_without_a_depth_plan_looks_come_from_the_own_clock() -> None:
         if trees:
             schedule.observe(False, False)
     assert drafted == [True, False, False, True, False, False, False, True, False, False, False, True]
+
+
+def test_looks_that_buy_nothing_back_off_and_a_bought_sibling_resets_them() -> None:
+    """Where width never pays, a tree probe (its siblings verified) and the tree drafting of its next step are pure
+    cost: after q quiet looks in a row only every 2^min(q, 3)-th due probe drafts trees (the rest are chain probes)."""
+    probe_every, probes = 16, 26
+    drafted = _run(WidthSchedule(patience=3), steps=probe_every * probes, probe_every=probe_every)
+    looked = [p for p in range(1, probes) if drafted[p * probe_every]]  # the probe at 0 is inside patience
+    # Due looks 1, 2 (after one quiet look: every 2nd), 4 (every 4th), 8, 16, 24 (every 8th at most).
+    assert looked == [1, 2, 4, 8, 16, 24]
+    for p in looked:  # each look is the probe and the step after it; nothing else drafts trees
+        assert drafted[p * probe_every + 1]
+    assert sum(drafted) == 4 + 2 * len(looked)
+    # A look that buys a sibling resets the back-off: the next due probes draft trees again.
+    schedule = WidthSchedule(patience=3)
+    drafted = _run(schedule, steps=probe_every * 12, probe_every=probe_every, buys={8 * probe_every + 1})
+    assert all(drafted[8 * probe_every + j] for j in range(5))  # the look bought: patience restarts (3 steps)
+    assert drafted[9 * probe_every] and drafted[10 * probe_every]  # without the reset the next look came at 16
+    assert not drafted[11 * probe_every]  # two quiet looks since: every 4th due one again
+
+
+def test_without_a_depth_plan_looks_back_off_too() -> None:
+    schedule = WidthSchedule(patience=1, interval=4)
+    drafted = []
+    for _ in range(40):
+        trees = schedule.drafts_trees("fixed", None)
+        drafted.append(trees)
+        if trees:
+            schedule.observe(False, False)
+    # Step 0 is patience; looks due at steps 3, 7, 11, ...: taken at due counts 1, 2, 4, 8.
+    assert [i for i, t in enumerate(drafted) if t] == [0, 3, 7, 15, 31]

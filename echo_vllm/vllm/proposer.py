@@ -769,7 +769,7 @@ class EchoProposer(EagleProposer):
             nodes = ceiling * (self.top_k if self._tree_step else 1)
             self._plan = DraftPlan(self.max_depth, min(int(self.k_max or 0), nodes), False)
         if self.tree_mode:
-            self._width_schedule.after_plan(self._plan.probe)
+            self._width_schedule.after_plan(self._plan.probe and self._tree_step)
         self._probe_rows = None
         if self._plan.probe and not self._tree_step:
             self._probe_rows = self._partial_probe_rows(batch)

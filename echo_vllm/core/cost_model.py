@@ -31,7 +31,7 @@ A step whose requests hold C tokens in the KV cache already (their context, summ
 A step whose drafter drafted trees (the per-depth top-k siblings, `top_k > 1`) adds to its drafting
   tree_draft(B, d) = p0 + p1 B d: the top-k of every drafted depth and the tree's listing in the selection,
                 which a chain-drafting step does not pay. On the testbed at batch 8 a tree-drafting step's proposer
-                took 4.4 / 6.1 ms at depths 1 / 2 against 3.0 / 4.7 for chains (medians, s27 profile job). Without
+                took 4.4 / 6.1 ms at depths 1 / 2 against 2.8 / 4.6 for chains (medians, s27 profile job). Without
                 the term that extra was spread over every step's draft terms (chain steps priced high) and the
                 selection bought siblings as if drafting them were free: the next step drafts trees again because
                 of them (`WidthSchedule`), so the budget charges a prefix with width the next step's tree drafting

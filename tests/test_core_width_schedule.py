@@ -62,14 +62,19 @@ def test_width_bought_at_a_look_restarts_patience() -> None:
     assert not drafted[21]
 
 
-def test_without_a_depth_plan_looks_come_from_the_own_clock() -> None:
-    schedule = WidthSchedule(patience=1, interval=4, max_backoff=0)
+def _run_without_plan(schedule: WidthSchedule, steps: int) -> list[bool]:
+    """No depth plan (an integer k_max): looks from the schedule's own clock; no tree step buys width."""
     drafted = []
-    for _ in range(12):
+    for _ in range(steps):
         trees = schedule.drafts_trees("fixed", None)
         drafted.append(trees)
         if trees:
             schedule.observe(False, False)
+    return drafted
+
+
+def test_without_a_depth_plan_looks_come_from_the_own_clock() -> None:
+    drafted = _run_without_plan(WidthSchedule(patience=1, interval=4, max_backoff=0), steps=12)
     assert drafted == [True, False, False, True, False, False, False, True, False, False, False, True]
 
 
@@ -93,12 +98,6 @@ def test_looks_that_buy_nothing_back_off_and_a_bought_sibling_resets_them() -> N
 
 
 def test_without_a_depth_plan_looks_back_off_too() -> None:
-    schedule = WidthSchedule(patience=1, interval=4)
-    drafted = []
-    for _ in range(40):
-        trees = schedule.drafts_trees("fixed", None)
-        drafted.append(trees)
-        if trees:
-            schedule.observe(False, False)
+    drafted = _run_without_plan(WidthSchedule(patience=1, interval=4), steps=40)
     # Step 0 is patience; looks due at steps 3, 7, 11, ...: taken at due counts 1, 2, 4, 8.
     assert [i for i, t in enumerate(drafted) if t] == [0, 3, 7, 15, 31]

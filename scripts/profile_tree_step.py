@@ -383,6 +383,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    os._exit(code)
+    from echo_vllm.vllm.offline import exit_hard
+
+    exit_hard(main())

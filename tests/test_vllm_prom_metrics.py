@@ -9,7 +9,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -286,6 +289,49 @@ def test_front_process_creates_and_collects_its_directory(monkeypatch):
     assert len(registry._collector_to_names) == 1
     prom_channel.writer_for(path).gauge("echo_vllm:k_max", LABELS, "help", 6.0)  # what a worker writes
     assert "echo_vllm:k_max" in generate_latest(registry).decode()
+
+
+def test_release_removes_the_owned_directory(monkeypatch):
+    monkeypatch.delenv(prom_channel.VLLM_DIR_ENV, raising=False)
+    monkeypatch.delenv(prom_channel.ECHO_DIR_ENV, raising=False)
+    monkeypatch.setattr(prom_channel, "_collected", set())
+    monkeypatch.setattr(prom_channel, "_owned_dir", None)
+    monkeypatch.setattr(prom_channel, "_writers", {})
+    path = prom_channel.prepare_front_process(CollectorRegistry())
+    prom_channel.writer_for(path).gauge("echo_vllm:k_max", LABELS, "help", 6.0)
+    assert prom_channel.release_front_process() == path
+    assert not Path(path).exists() and prom_channel.ECHO_DIR_ENV not in os.environ
+    assert prom_channel._writers == {}  # its files were closed before the directory went
+    assert prom_channel.release_front_process() is None  # nothing owned any more
+
+
+def test_release_leaves_a_directory_it_did_not_create(tmp_path, monkeypatch):
+    monkeypatch.delenv(prom_channel.VLLM_DIR_ENV, raising=False)
+    monkeypatch.setenv(prom_channel.ECHO_DIR_ENV, str(tmp_path / "given"))
+    monkeypatch.setattr(prom_channel, "_collected", set())
+    monkeypatch.setattr(prom_channel, "_owned_dir", None)
+    path = prom_channel.prepare_front_process(CollectorRegistry())
+    assert prom_channel.release_front_process() is None
+    assert Path(path).is_dir()  # the user's (or a parent process's) directory is theirs to remove
+
+
+def test_hard_exit_of_a_job_leaves_no_metrics_directory(tmp_path):
+    """The offline job runner ends with os._exit (no finalizers): its private directory must still go."""
+    env = {k: v for k, v in os.environ.items() if k not in (prom_channel.VLLM_DIR_ENV, prom_channel.ECHO_DIR_ENV)}
+    env["TMPDIR"] = str(tmp_path)
+    code = (
+        "from prometheus_client import CollectorRegistry\n"
+        "from echo_vllm.vllm import offline, prom_channel\n"
+        "path = prom_channel.prepare_front_process(CollectorRegistry())\n"
+        "prom_channel.writer_for(path).gauge('echo_vllm:k_max', {'model_name': 'm'}, 'help', 1.0)\n"
+        "print(path, flush=True)\n"
+        "offline.exit_hard(3)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    created = Path(proc.stdout.split()[-1])
+    assert created.parent == tmp_path  # the directory was made where this test looks
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.needs_vllm

@@ -370,6 +370,19 @@ def run_in_subprocess(
     return result
 
 
+def exit_hard(code: int) -> None:
+    """Flush, remove what this process owns on disk, then os._exit: large engines leave non-daemon threads behind
+    that would keep a normal exit waiting. os._exit runs no finalizer, so ECHO's private metrics directory
+    (`prom_channel`) is removed here or never."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    from echo_vllm.vllm.prom_channel import release_front_process
+
+    with contextlib.suppress(OSError):  # a directory already gone is no reason to change the exit code
+        release_front_process()
+    os._exit(code)
+
+
 def main() -> int:
     from echo_vllm.vllm.cpu_isa import apply_emulation
 
@@ -386,6 +399,4 @@ def main() -> int:
 
 if __name__ == "__main__":
     # Large engines leave non-daemon threads behind; exit hard once the result is out.
-    code = main()
-    sys.stdout.flush()
-    os._exit(code)
+    exit_hard(main())

@@ -155,3 +155,24 @@ def writer_for(directory: str) -> MmapSeriesWriter:
     if key not in _writers:
         _writers[key] = MmapSeriesWriter(directory)
     return _writers[key]
+
+
+def release_front_process() -> str | None:
+    """Remove the private directory `prepare_front_process` created in this process (None if it created none).
+
+    TemporaryDirectory removes it at a normal interpreter exit, but the offline job runner (`offline.py`, which
+    `echo-vllm bench` and the tests start once per job) exits with os._exit, which runs no finalizer: every job
+    left a directory behind (over a thousand in one machine's /tmp). Its writers' files are closed first; the
+    exported variable is dropped so nothing started later writes into a directory that is gone."""
+    global _owned_dir
+    owned, _owned_dir = _owned_dir, None
+    if owned is None:
+        return None
+    path = owned.name
+    for key in [key for key in _writers if key[0] == path]:
+        _writers.pop(key).close()
+    if os.environ.get(ECHO_DIR_ENV) == path:
+        del os.environ[ECHO_DIR_ENV]
+    _collected.discard(path)
+    owned.cleanup()
+    return path

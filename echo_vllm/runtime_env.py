@@ -13,9 +13,11 @@ per worker instead ("0|1", "0-3|4-7"); an explicit setting is never touched.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from collections.abc import Mapping, MutableMapping, Sequence
+import tempfile
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from pathlib import Path
 
 from echo_vllm.device import is_cuda_machine
@@ -157,3 +159,21 @@ def cpu_runtime_env(
         env["LD_PRELOAD"] = ":".join(p for p in (str(iomp), env.get("LD_PRELOAD", "")) if p)
     ensure_cpu_threads_bind(tensor_parallel_size * pipeline_parallel_size, env)
     return env
+
+
+RPC_DIR_ENV = "VLLM_RPC_BASE_PATH"  # where vLLM puts its ZMQ IPC sockets (default: the temp directory)
+
+
+@contextlib.contextmanager
+def job_socket_dir(env: Mapping[str, str]) -> Iterator[dict[str, str]]:
+    """`env` with vLLM's IPC sockets in a directory of their own, removed when the job is over.
+
+    vLLM unlinks its sockets at a clean shutdown only; a job ends with os._exit (`offline.exit_hard`), a
+    server's process group is killed after its grace period (`soak.procs.Server.stop`), and every multiprocess job
+    left ~7 sockets in /tmp (~1,400 on one machine). A base path the caller set is kept."""
+    if env.get(RPC_DIR_ENV):
+        yield dict(env)
+        return
+    # A socket a late worker adds while the directory goes is no reason to lose the job's result.
+    with tempfile.TemporaryDirectory(prefix="echo-vllm-job-", ignore_cleanup_errors=True) as path:
+        yield {**env, RPC_DIR_ENV: path}

@@ -244,9 +244,12 @@ def capture(args: argparse.Namespace) -> int:
     env.update(env_extra)
     env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
     env["ECHO_ACCEPTANCE_OUT"] = str(Path(args.out).resolve())
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child"], input=json.dumps(job), text=True, env=env, capture_output=True
-    )
+    from echo_vllm.runtime_env import job_socket_dir
+
+    with job_socket_dir(env) as job_env:  # vLLM's IPC sockets go with the job
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child"], input=json.dumps(job), text=True, env=job_env, capture_output=True
+        )
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])
     return proc.returncode

@@ -272,7 +272,7 @@ def child() -> int:
 def run_one(method: str, batch_size: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from echo_vllm.bench.vllm_cli import plan_from_args
     from echo_vllm.bench.vllm_run import build_job
-    from echo_vllm.runtime_env import cpu_runtime_env
+    from echo_vllm.runtime_env import cpu_runtime_env, job_socket_dir
 
     ns = argparse.Namespace(
         methods=method, eagle3_depths=[args.eagle3_depth], depth=args.echo_depth, top_k=4, k_max=args.k_max if args.k_max == "auto" else int(args.k_max), warmup_steps=16,
@@ -297,10 +297,11 @@ def run_one(method: str, batch_size: int, args: argparse.Namespace, work: Path) 
     env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
     env["ECHO_PROFILE_ALL_STEPS"] = "1" if args.all_steps else "0"
     env["ECHO_PROFILE_CPROFILE"] = str(args.cprofile)
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child"], input=json.dumps(job), capture_output=True, text=True, env=env,
-        timeout=1200,
-    )  # fmt: skip
+    with job_socket_dir(env) as job_env:  # vLLM's IPC sockets go with the job (the child ends with os._exit)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child"], input=json.dumps(job), capture_output=True, text=True,
+            env=job_env, timeout=1200,
+        )  # fmt: skip
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROFILE:")]
     if args.cprofile:
         text = proc.stderr

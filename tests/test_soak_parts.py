@@ -319,3 +319,24 @@ def test_a_second_reset_or_one_after_the_status_line_is_an_error():
     late = _ResettingServer(reset_after={0}).run(2, concurrency=1)
     assert [r.outcome for r in late.results] == [ERROR, COMPLETED]
     assert late.results[0].retries == 0 and late.results[0].status == 200
+
+
+def test_server_sockets_go_with_the_server(tmp_path):
+    """vLLM puts its IPC sockets under VLLM_RPC_BASE_PATH and unlinks none when killed: each server gets a
+    directory of its own, removed by stop()."""
+    script = (
+        "import os, pathlib, time; "
+        "pathlib.Path(os.environ['VLLM_RPC_BASE_PATH'], 'engine-socket').write_text(''); "
+        "print(os.environ['VLLM_RPC_BASE_PATH'], flush=True); time.sleep(60)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"}
+    log = tmp_path / "fake.log"
+    server = Server(ServerSpec(name="fake", argv=(sys.executable, "-c", script), env=env, log_path=log))
+    with server:
+        for _ in range(100):
+            if log.read_text().strip():
+                break
+            time.sleep(0.1)
+        sockets = Path(log.read_text().split()[0])
+        assert (sockets / "engine-socket").exists()
+    assert not sockets.exists()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from echo_vllm.runtime_env import RPC_DIR_ENV, job_socket_dir
 from echo_vllm.vllm import offline
 
 
@@ -62,3 +64,45 @@ def test_step_log_size_is_where_the_timed_records_start(tmp_path, monkeypatch):
     assert offline._step_log_size() == len('{"step": 1}\n')
     monkeypatch.delenv("ECHO_VLLM_STEP_LOG")
     assert offline._step_log_size() == 0
+
+
+def test_job_socket_dir_is_the_jobs_and_goes_with_it():
+    with job_socket_dir({"A": "1"}) as env:
+        path = Path(env[RPC_DIR_ENV])
+        assert path.is_dir() and env["A"] == "1"
+        (path / "socket-a-job-left").write_text("")  # what an os._exit leaves behind
+    assert not path.exists()
+
+
+def test_job_socket_dir_keeps_a_base_path_the_caller_set(tmp_path):
+    given = {RPC_DIR_ENV: str(tmp_path)}
+    with job_socket_dir(given) as env:
+        assert env == given
+    assert tmp_path.is_dir()
+
+
+def test_each_job_gets_its_own_socket_dir(monkeypatch):
+    """_run_child hands the child a socket directory that exists while it runs and is gone after."""
+    seen: list[tuple[str, bool]] = []
+
+    class FakePopen:
+        def __init__(self, cmd, env, **kwargs):
+            path = env[RPC_DIR_ENV]
+            seen.append((path, Path(path).is_dir()))
+            self.returncode = 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def communicate(self, stdin=None, timeout=None):
+            return "", ""
+
+    monkeypatch.setattr(offline.subprocess, "Popen", FakePopen)
+    offline._run_child("{}", {"PATH": "/usr/bin"}, 5, own_group=False)
+    offline._run_child("{}", {"PATH": "/usr/bin"}, 5, own_group=False)
+    (first, existed_first), (second, existed_second) = seen
+    assert existed_first and existed_second and first != second
+    assert not Path(first).exists() and not Path(second).exists()

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from echo_vllm.errors import SetupError
+from echo_vllm.runtime_env import job_socket_dir
 
 HOST = "127.0.0.1"  # the soak never talks to anything else
 VLLM = str(Path(sys.executable).parent / "vllm")
@@ -88,6 +89,7 @@ class Server:
     def __init__(self, spec: ServerSpec) -> None:
         self.spec = spec
         self.proc: subprocess.Popen[bytes] | None = None
+        self._sockets = contextlib.ExitStack()  # vLLM's IPC socket directory of this server (`job_socket_dir`)
 
     @property
     def pid(self) -> int:
@@ -96,12 +98,13 @@ class Server:
 
     def start(self) -> Server:
         self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = self._sockets.enter_context(job_socket_dir(self.spec.env))  # removed in stop(), after the group
         with open(self.spec.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 list(self.spec.argv),
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=dict(self.spec.env),
+                env=env,
                 start_new_session=True,
                 stdin=subprocess.DEVNULL,
             )
@@ -138,6 +141,7 @@ class Server:
     def stop(self, grace_s: float = 30.0) -> int | None:
         """SIGTERM the process group, SIGKILL it after `grace_s`; the exit code (None if never started)."""
         if self.proc is None:
+            self._sockets.close()
             return None
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -151,6 +155,7 @@ class Server:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
         _wait_group_gone(self.proc.pid, timeout_s=5.0)
+        self._sockets.close()  # a SIGKILLed engine unlinks none of its sockets
         atexit.unregister(self.stop)
         return self.proc.returncode
 

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from echo_vllm.runtime_env import cpu_runtime_env
+from echo_vllm.runtime_env import cpu_runtime_env, job_socket_dir
 
 
 def _counter(metrics, name: str) -> float:
@@ -324,15 +324,18 @@ def _run_child(stdin: str, env: dict[str, str], timeout: float, own_group: bool)
     """`python -m echo_vllm.vllm.offline`; a multiprocess engine runs in a process group of its own, killed whole
     on timeout: killing only the child would leave the engine core and its workers on their bound CPUs."""
     cmd = [sys.executable, "-m", "echo_vllm.vllm.offline"]
-    with subprocess.Popen(
-        cmd,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=own_group,
-    ) as proc:
+    with (
+        job_socket_dir(env) as job_env,
+        subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=job_env,
+            start_new_session=own_group,
+        ) as proc,
+    ):
         try:
             stdout, stderr = proc.communicate(stdin, timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -276,12 +276,27 @@ def test_vllm_multiprocess_directory_wins(tmp_path, monkeypatch):
     assert not list(registry._collector_to_names), "vLLM's own registry already reads its directory"
 
 
-def test_front_process_creates_and_collects_its_directory(monkeypatch):
+@pytest.fixture()
+def fresh_front(monkeypatch):
+    """This process as a front process that has prepared nothing yet; afterwards the variable ECHO exports is
+    exactly as before and the directory the test made is gone.
+
+    Why not monkeypatch.delenv alone: it records nothing when the variable is absent, so the directory exported by
+    `prepare_front_process` stayed in os.environ for the rest of the session after its TemporaryDirectory was
+    collected, and every later engine job recreated it (os.makedirs) and left it in /tmp."""
     monkeypatch.delenv(prom_channel.VLLM_DIR_ENV, raising=False)
-    monkeypatch.delenv(prom_channel.ECHO_DIR_ENV, raising=False)
+    saved = os.environ.pop(prom_channel.ECHO_DIR_ENV, None)
     monkeypatch.setattr(prom_channel, "_collected", set())
     monkeypatch.setattr(prom_channel, "_owned_dir", None)
     monkeypatch.setattr(prom_channel, "_writers", {})
+    yield
+    prom_channel.release_front_process()
+    os.environ.pop(prom_channel.ECHO_DIR_ENV, None)
+    if saved is not None:
+        os.environ[prom_channel.ECHO_DIR_ENV] = saved
+
+
+def test_front_process_creates_and_collects_its_directory(fresh_front):
     registry = CollectorRegistry()
     path = prom_channel.prepare_front_process(registry)
     assert Path(path).is_dir() and prom_channel.worker_directory() == path  # children inherit os.environ
@@ -291,12 +306,7 @@ def test_front_process_creates_and_collects_its_directory(monkeypatch):
     assert "echo_vllm:k_max" in generate_latest(registry).decode()
 
 
-def test_release_removes_the_owned_directory(monkeypatch):
-    monkeypatch.delenv(prom_channel.VLLM_DIR_ENV, raising=False)
-    monkeypatch.delenv(prom_channel.ECHO_DIR_ENV, raising=False)
-    monkeypatch.setattr(prom_channel, "_collected", set())
-    monkeypatch.setattr(prom_channel, "_owned_dir", None)
-    monkeypatch.setattr(prom_channel, "_writers", {})
+def test_release_removes_the_owned_directory(fresh_front):
     path = prom_channel.prepare_front_process(CollectorRegistry())
     prom_channel.writer_for(path).gauge("echo_vllm:k_max", LABELS, "help", 6.0)
     assert prom_channel.release_front_process() == path
@@ -310,6 +320,7 @@ def test_release_leaves_a_directory_it_did_not_create(tmp_path, monkeypatch):
     monkeypatch.setenv(prom_channel.ECHO_DIR_ENV, str(tmp_path / "given"))
     monkeypatch.setattr(prom_channel, "_collected", set())
     monkeypatch.setattr(prom_channel, "_owned_dir", None)
+    monkeypatch.setattr(prom_channel, "_writers", {})
     path = prom_channel.prepare_front_process(CollectorRegistry())
     assert prom_channel.release_front_process() is None
     assert Path(path).is_dir()  # the user's (or a parent process's) directory is theirs to remove

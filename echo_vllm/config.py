@@ -150,6 +150,13 @@ class EchoSettings(BaseModel):
         "one step's weight whatever came before (a plan at plain then needed two probes, ~32 steps, to leave a bad "
         "stretch's values). Larger batches always weigh one step (there it cost 2-5 % at batch 16).",
     )
+    continuation_memory: Literal["tries", "steps"] = Field(
+        default="tries",
+        description="k_max 'auto': how the depth plan's continuation rates P(accept depth j | reached j - 1) forget: "
+        "'tries' = per try of that depth (a depth the plan does not draft keeps its old rate until probes replace "
+        "it); 'steps' = per verified request-step, every depth alike (a rarely tried depth leans on the pooled rate "
+        "of recent steps).",
+    )
     defer_plain_head: bool = Field(
         default=True,
         description="vLLM: on a step that drafts nothing (k_max 'auto' chose plain decoding), skip the draft "

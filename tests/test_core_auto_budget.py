@@ -1243,3 +1243,38 @@ def test_knots_are_at_most_one_and_a_half_apart_so_a_lumpy_curve_fits():
     for n, t in measured.items():
         predicted = model.rest_at(n, 4) + model.verify_at(4, n - 4)
         assert predicted == pytest.approx(t, rel=0.03), n
+
+
+def _continuation_after_a_shallow_stretch(memory: str) -> list[float]:
+    """A stretch where every request verified depth 2 and was rejected there (rate 0 at depth 2), then 80 steps
+    (640 request-steps) that draft depth 1 only, every request accepting it: the continuation rates at the end."""
+    from echo_vllm.core.cost_model import CostModel
+    from echo_vllm.core.time_budget import TimeAwareBudget
+
+    budget = TimeAwareBudget(
+        3, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None, continuation_memory=memory
+    )
+    budget.cost_model = CostModel((1.0, 64.0), (1.0, 2.0), 0.0, (0.0, 0.0, 0.1, 0.0), 0.0, 4)
+    for _ in range(10):
+        budget.observe_verification(torch.ones(8, dtype=torch.long), torch.tensor([[1, 2]] * 8), 8, 2)
+    for _ in range(80):
+        budget.observe_verification(torch.ones(8, dtype=torch.long), torch.tensor([[1]] * 8), 8, 1)
+    return budget._continuation_rates()
+
+
+def test_step_memory_lets_a_depth_only_probes_reach_forget_a_stretch_long_past():
+    """continuation_memory 'steps': every depth's counts fade with each verified request-step, so a depth the plan
+    stopped drafting leans on the pooled rate of recent steps; 'tries' keeps its old rate until it is tried again.
+    A bad value is one clear error."""
+    from echo_vllm.config import EchoSettings
+    from echo_vllm.core.time_budget import TimeAwareBudget
+
+    kept = _continuation_after_a_shallow_stretch("tries")
+    faded = _continuation_after_a_shallow_stretch("steps")
+    assert kept[1] < 0.15  # the old stretch's rejections still decide depth 2
+    assert faded[0] > 0.95 and faded[1] > 0.85  # depth 2 now follows the recent steps' (pooled) rate
+    with pytest.raises(ValueError, match="continuation_memory"):
+        TimeAwareBudget(3, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None,
+                        continuation_memory="forever")  # fmt: skip
+    with pytest.raises(ValueError, match="continuation_memory"):
+        EchoSettings(continuation_memory="forever")

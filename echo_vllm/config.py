@@ -151,7 +151,7 @@ class EchoSettings(BaseModel):
         "stretch's values). Larger batches always weigh one step (there it cost 2-5 % at batch 16).",
     )
     continuation_memory: Literal["tries", "steps"] = Field(
-        default="tries",
+        default="steps",
         description="k_max 'auto': how the depth plan's continuation rates P(accept depth j | reached j - 1) forget: "
         "'tries' = per try of that depth (a depth the plan does not draft keeps its old rate until probes replace "
         "it); 'steps' = per verified request-step, every depth alike (a rarely tried depth leans on the pooled rate "

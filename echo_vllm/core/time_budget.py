@@ -164,7 +164,7 @@ class TimeAwareBudget:
         probe_next: bool = False,
         switch_margin: float = 0.0,
         catch_up: float = 0.0,
-        continuation_memory: str = "tries",
+        continuation_memory: str = "steps",
         plain_head_rows: str = "measured",
         device: Any = "cpu",
         is_writer: bool = True,

@@ -162,18 +162,21 @@ def cpu_runtime_env(
 
 
 RPC_DIR_ENV = "VLLM_RPC_BASE_PATH"  # where vLLM puts its ZMQ IPC sockets (default: the temp directory)
+TEMP_DIR_ENV = "TMPDIR"  # Python's tempfile (and so vLLM's FileStore rendezvous file) follows it
 
 
 @contextlib.contextmanager
-def job_socket_dir(env: Mapping[str, str]) -> Iterator[dict[str, str]]:
-    """`env` with vLLM's IPC sockets in a directory of their own, removed when the job is over.
+def job_temp_dir(env: Mapping[str, str]) -> Iterator[dict[str, str]]:
+    """`env` with vLLM's IPC sockets and temporary files in a directory of their own, removed when the job is over.
 
-    vLLM unlinks its sockets at a clean shutdown only; a job ends with os._exit (`offline.exit_hard`), a
-    server's process group is killed after its grace period (`soak.procs.Server.stop`), and every multiprocess job
-    left ~7 sockets in /tmp (~1,400 on one machine). A base path the caller set is kept."""
-    if env.get(RPC_DIR_ENV):
-        yield dict(env)
-        return
-    # A socket a late worker adds while the directory goes is no reason to lose the job's result.
+    vLLM unlinks its sockets and its torch.distributed FileStore (`/tmp/vllm_dist_<uuid>`, one per engine start,
+    uni and multiproc executors alike) at a clean shutdown only; a job ends with os._exit (`offline.exit_hard`), a
+    server's process group is killed after its grace period (`soak.procs.Server.stop`). Every multiprocess job left
+    ~7 sockets in /tmp (~1,400 on one machine) and every engine start one FileStore file (854 after a day of
+    benchmarks). TMPDIR is inherited by the engine core and its workers, so whatever they leave goes with the job.
+    The directory is made inside the caller's own temp directory; a socket base path the caller set is kept.
+    Compile caches do not live here: jobs and test servers run eager, and vLLM keeps its caches under
+    VLLM_CACHE_ROOT."""
+    # A file a late worker adds while the directory goes is no reason to lose the job's result.
     with tempfile.TemporaryDirectory(prefix="echo-vllm-job-", ignore_cleanup_errors=True) as path:
-        yield {**env, RPC_DIR_ENV: path}
+        yield {**env, TEMP_DIR_ENV: path, RPC_DIR_ENV: env.get(RPC_DIR_ENV) or path}

@@ -244,9 +244,9 @@ def capture(args: argparse.Namespace) -> int:
     env.update(env_extra)
     env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
     env["ECHO_ACCEPTANCE_OUT"] = str(Path(args.out).resolve())
-    from echo_vllm.runtime_env import job_socket_dir
+    from echo_vllm.runtime_env import job_temp_dir
 
-    with job_socket_dir(env) as job_env:  # vLLM's IPC sockets go with the job
+    with job_temp_dir(env) as job_env:  # vLLM's IPC sockets and temp files go with the job
         proc = subprocess.run(
             [sys.executable, __file__, "--child"], input=json.dumps(job), text=True, env=job_env, capture_output=True
         )

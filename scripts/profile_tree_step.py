@@ -272,7 +272,7 @@ def child() -> int:
 def run_one(method: str, batch_size: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from echo_vllm.bench.vllm_cli import plan_from_args
     from echo_vllm.bench.vllm_run import build_job
-    from echo_vllm.runtime_env import cpu_runtime_env, job_socket_dir
+    from echo_vllm.runtime_env import cpu_runtime_env, job_temp_dir
 
     ns = argparse.Namespace(
         methods=method, eagle3_depths=[args.eagle3_depth], depth=args.echo_depth, top_k=4, k_max=args.k_max if args.k_max == "auto" else int(args.k_max), warmup_steps=16,
@@ -297,7 +297,7 @@ def run_one(method: str, batch_size: int, args: argparse.Namespace, work: Path) 
     env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
     env["ECHO_PROFILE_ALL_STEPS"] = "1" if args.all_steps else "0"
     env["ECHO_PROFILE_CPROFILE"] = str(args.cprofile)
-    with job_socket_dir(env) as job_env:  # vLLM's IPC sockets go with the job (the child ends with os._exit)
+    with job_temp_dir(env) as job_env:  # sockets, temp files go with the job (it ends with os._exit)
         proc = subprocess.run(
             [sys.executable, __file__, "--child"], input=json.dumps(job), capture_output=True, text=True,
             env=job_env, timeout=1200,

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from echo_vllm.runtime_env import RPC_DIR_ENV, job_socket_dir
+from echo_vllm.runtime_env import RPC_DIR_ENV, TEMP_DIR_ENV, job_temp_dir
 from echo_vllm.vllm import offline
 
 
@@ -66,19 +67,25 @@ def test_step_log_size_is_where_the_timed_records_start(tmp_path, monkeypatch):
     assert offline._step_log_size() == 0
 
 
-def test_job_socket_dir_is_the_jobs_and_goes_with_it():
-    with job_socket_dir({"A": "1"}) as env:
+def test_job_temp_dir_is_the_jobs_and_goes_with_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the caller's own temp directory
+    with job_temp_dir({"A": "1", TEMP_DIR_ENV: "/elsewhere"}) as env:
         path = Path(env[RPC_DIR_ENV])
-        assert path.is_dir() and env["A"] == "1"
+        assert path.is_dir() and path.parent == tmp_path and env["A"] == "1"
+        # Sockets and temp files (vLLM's FileStore rendezvous file) share it: the child's tempfile follows TMPDIR.
+        assert env[TEMP_DIR_ENV] == str(path)
         (path / "socket-a-job-left").write_text("")  # what an os._exit leaves behind
-    assert not path.exists()
+        (path / "vllm_dist_0123").write_text("")
+    assert not path.exists() and list(tmp_path.iterdir()) == []
 
 
-def test_job_socket_dir_keeps_a_base_path_the_caller_set(tmp_path):
+def test_job_temp_dir_keeps_a_base_path_the_caller_set(tmp_path):
     given = {RPC_DIR_ENV: str(tmp_path)}
-    with job_socket_dir(given) as env:
-        assert env == given
-    assert tmp_path.is_dir()
+    with job_temp_dir(given) as env:
+        assert env[RPC_DIR_ENV] == str(tmp_path)
+        path = Path(env[TEMP_DIR_ENV])  # temp files still go with the job
+        assert path.is_dir() and path != tmp_path
+    assert tmp_path.is_dir() and not path.exists()
 
 
 def test_each_job_gets_its_own_socket_dir(monkeypatch):
@@ -106,3 +113,17 @@ def test_each_job_gets_its_own_socket_dir(monkeypatch):
     (first, existed_first), (second, existed_second) = seen
     assert existed_first and existed_second and first != second
     assert not Path(first).exists() and not Path(second).exists()
+
+
+@pytest.mark.engine
+def test_an_engine_job_leaves_nothing_in_the_temp_dir(tmp_path, monkeypatch):
+    """A real vLLM job (engine start, generate, os._exit) leaves nothing behind: vLLM's executor makes a
+    torch.distributed FileStore file in the temp directory at every start and removes it only at a clean
+    shutdown, which os._exit skips (one `vllm_dist_<uuid>` per job before the job had a TMPDIR of its own)."""
+    from testbed_fixture import shipped_testbed
+
+    monkeypatch.setenv(TEMP_DIR_ENV, str(tmp_path))  # the child's default temp directory without job_temp_dir
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where job_temp_dir makes the job's own
+    root = shipped_testbed()
+    result = offline.run_in_subprocess({"model": str(root / "target"), "prompts": ["def add(a, b):"], "max_tokens": 4})
+    assert result["texts"] and list(tmp_path.iterdir()) == []

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from testbed_fixture import shipped_testbed
 
-from echo_vllm.runtime_env import cpu_runtime_env, job_socket_dir
+from echo_vllm.runtime_env import cpu_runtime_env, job_temp_dir
 from echo_vllm.vllm.offline import run_in_subprocess
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -72,7 +72,7 @@ def _serve(cfg: Path, *extra: str):
     env = {**_env(), "ECHO_VLLM_METRICS_INTERVAL": "0"}  # device figures every step: no waiting in the test
     # The server's IPC sockets in a short directory of its own, removed at the end: a killed vLLM leaves them.
     sockets = contextlib.ExitStack()
-    env = sockets.enter_context(job_socket_dir(env))
+    env = sockets.enter_context(job_temp_dir(env))
     argv = [VLLM, "serve", str(root / "target"), "--port", str(port), "--speculative-config", str(cfg), *COMMON]
     with open(log, "w") as fh:
         proc = subprocess.Popen([*argv, *extra], stdout=fh, stderr=subprocess.STDOUT, env=env)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from echo_vllm.errors import SetupError
-from echo_vllm.runtime_env import job_socket_dir
+from echo_vllm.runtime_env import job_temp_dir
 
 HOST = "127.0.0.1"  # the soak never talks to anything else
 VLLM = str(Path(sys.executable).parent / "vllm")
@@ -89,7 +89,7 @@ class Server:
     def __init__(self, spec: ServerSpec) -> None:
         self.spec = spec
         self.proc: subprocess.Popen[bytes] | None = None
-        self._sockets = contextlib.ExitStack()  # vLLM's IPC socket directory of this server (`job_socket_dir`)
+        self._sockets = contextlib.ExitStack()  # vLLM's IPC sockets and temp files of this server (`job_temp_dir`)
 
     @property
     def pid(self) -> int:
@@ -98,7 +98,7 @@ class Server:
 
     def start(self) -> Server:
         self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = self._sockets.enter_context(job_socket_dir(self.spec.env))  # removed in stop(), after the group
+        env = self._sockets.enter_context(job_temp_dir(self.spec.env))  # removed in stop(), after the group
         with open(self.spec.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 list(self.spec.argv),

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from echo_vllm.runtime_env import cpu_runtime_env, job_socket_dir
+from echo_vllm.runtime_env import cpu_runtime_env, job_temp_dir
 
 
 def _counter(metrics, name: str) -> float:
@@ -325,7 +325,7 @@ def _run_child(stdin: str, env: dict[str, str], timeout: float, own_group: bool)
     on timeout: killing only the child would leave the engine core and its workers on their bound CPUs."""
     cmd = [sys.executable, "-m", "echo_vllm.vllm.offline"]
     with (
-        job_socket_dir(env) as job_env,
+        job_temp_dir(env) as job_env,
         subprocess.Popen(
             cmd,
             stdin=subprocess.PIPE,

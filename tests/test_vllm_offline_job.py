@@ -1,4 +1,5 @@
-"""echo_vllm.vllm.offline's helpers that need no engine: the worker-side ECHO call, the step-log offset."""
+"""echo_vllm.vllm.offline's helpers (the worker-side ECHO call, the step-log offset, the job's own temp
+directory) and one real job that must leave no file behind."""
 
 from __future__ import annotations
 

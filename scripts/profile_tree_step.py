@@ -311,6 +311,21 @@ def run_one(method: str, batch_size: int, args: argparse.Namespace, work: Path) 
     return json.loads(lines[-1][len("PROFILE:") :])
 
 
+def phase_split(sched: list[tuple[int, int, int]], times: list[float], batch_size: int) -> str:
+    """Where a job's time went: the ramp (steps before the batch first fills), the full phase (from the first full
+    step to the last) and the drain (after the last full step: the queue is empty and the batch shrinks). A method
+    that spreads its requests' progress (deep drafts for some, none for others) drains longer at low batch, where a
+    step is cheap but emits little; the drain's steps and seconds show it beside the full phase's."""
+    full = [i for i, (r, _, _) in enumerate(sched) if r >= batch_size]
+    if not full:
+        return f"phases: no full step (all {len(sched)} steps below {batch_size} requests, {sum(times):.2f} s)"
+    first, last = full[0], full[-1]
+    parts = {"ramp": range(0, first), "full": range(first, last + 1), "drain": range(last + 1, len(sched))}
+    return "phases: " + ", ".join(
+        f"{name} {len(idx)} steps {sum(times[i] for i in idx):.2f} s" for name, idx in parts.items()
+    )
+
+
 def main() -> int:
     if "--child" in sys.argv:
         return child()
@@ -368,6 +383,8 @@ def main() -> int:
                                 f"  full decode-only steps: {len(full)}, median {1e3 * full[len(full) // 2]:.2f} ms "
                                 f"({batch_size / full[len(full) // 2]:.0f} requests/s)"
                             )
+                        if times:
+                            print("  " + phase_split(sched, times, batch_size))
                     for kind, k in rep["step_kinds"].items():
                         print(f"  steps {kind:<22} n={k['n']:4d}  {k['ms']:8.3f} ms/step (engine step)")
                     for label, _, _ in TIMED:

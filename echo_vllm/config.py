@@ -150,6 +150,14 @@ class EchoSettings(BaseModel):
         "one step's weight whatever came before (a plan at plain then needed two probes, ~32 steps, to leave a bad "
         "stretch's values). Larger batches always weigh one step (there it cost 2-5 % at batch 16).",
     )
+    stale_slot_steps: int = Field(
+        default=64,
+        ge=0,
+        description="k_max 'auto': the depth plan keeps its values per load (batch-size slot); a slot that measured "
+        "nothing in this many steps, entered from a neighbouring slot that did, starts from that slot's values "
+        "(e.g. the batch shrinking as a queue drains into loads last seen long ago); 0 = every slot keeps its own "
+        "values however old.",
+    )
     continuation_memory: Literal["tries", "steps"] = Field(
         default="steps",
         description="k_max 'auto': how the depth plan's continuation rates P(accept depth j | reached j - 1) forget: "

@@ -448,6 +448,51 @@ def test_the_depth_plan_remembers_each_load_separately():
     assert control.value == pytest.approx(busy)
 
 
+def _run_steps(control: DraftController, batch: int, levels: list[float], steps: int) -> None:
+    """`steps` planned and measured steps at `batch`, each worth `levels` in hindsight."""
+    for _ in range(steps):
+        control.plan(batch, 4 * batch)
+        control.observe_levels(levels, batch=batch)
+        control.observe(2 * batch)
+
+
+def test_a_stale_load_slot_entered_from_a_fresh_neighbour_starts_from_its_values():
+    """A queue draining into loads last measured long ago (e.g. the warm-up's drain, its hardest requests) must not
+    decode plain on those old values: the slot starts from the neighbouring slot's fresh values at one step's
+    weight, and its own steps take over at once. Fresh slots, slots across a jump and stale_slot_steps 0 keep
+    their own values."""
+    hard, good, worse = [1.0, 0.95, 0.9, 0.85, 0.8], [1.0, 1.4, 1.55, 1.65, 1.6], [1.0, 1.1, 1.05, 0.95, 0.9]
+    for stale_slot_steps, drain_depth in ((64, 3), (0, 0)):
+        control = DraftController(4, probe_interval=0, stale_slot_steps=stale_slot_steps)
+        _run_steps(control, 8, hard, 10)  # batch 6-11: measured, then left for 100 steps
+        _run_steps(control, 16, good, 100)
+        assert control.plan(16, 64).depth == 3
+        assert control.plan(11, 44).depth == drain_depth  # the drain enters batch 6-11 from 12-23
+        if stale_slot_steps:
+            assert control.value == pytest.approx(good)
+            control.observe_levels(worse, batch=11)  # its own first step outweighs the seed (0.2 against 0.16)
+            seeded = [(0.8 * 0.2 * g + 0.2 * w) / (0.8 * 0.2 + 0.2) for g, w in zip(good, worse)]
+            assert control.value == pytest.approx(seeded, rel=1e-6)
+            assert control.plan(11, 44).depth == 2
+        else:
+            assert control.value == pytest.approx(hard)
+
+    control = DraftController(4, probe_interval=0, stale_slot_steps=64)
+    _run_steps(control, 8, hard, 10)
+    _run_steps(control, 16, good, 40)  # batch 6-11 measured 40 steps ago: fresh, kept
+    assert control.plan(11, 44).depth == 0 and control.value == pytest.approx(hard)
+
+    control = DraftController(4, probe_interval=0, stale_slot_steps=64)
+    _run_steps(control, 4, hard, 10)  # batch 3-5, two slots away from 12-23
+    _run_steps(control, 16, good, 100)
+    assert control.plan(4, 16).depth == 0 and control.value == pytest.approx(hard)  # a jump: its own old values
+
+    control = DraftController(4, probe_interval=0, stale_slot_steps=64)
+    _run_steps(control, 16, good, 100)
+    control.plan(11, 44)  # a neighbour never measured starts from the fresh one too
+    assert control.value == pytest.approx(good)
+
+
 def test_draft_controller_weighs_a_step_by_its_requests_and_needs_enough_of_them():
     """A step of one request is one accept-or-reject draw: it moves the depth values by 5 % (REQUEST_WEIGHT), a
     step of 4 requests by ~19 %, of 5 or more by alpha (0.2). The plan drafts to full depth until 8 request-steps are

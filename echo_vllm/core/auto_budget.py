@@ -276,6 +276,16 @@ class LevelMemory:
         # the paired difference is far less noisy than either level (and its error is what a switch risks).
         self._pair = [[[0.0, 0.0, 0.0, 0.0] for _ in range(n)] for _ in range(n)]
 
+    def seeded(self, weight: float, requests: int) -> LevelMemory:
+        """A new memory holding this one's values at `weight` (one step's worth: the next measured steps of the
+        new memory's own slot outweigh them at once) and `requests` measured request-steps; no paired differences."""
+        seed = LevelMemory(len(self.value) - 1, pairs=self.pairs)
+        for d, value in enumerate(self.value):
+            if value is not None:
+                seed.sums[d], seed.weights[d], seed.value[d] = weight * value, weight, value
+        seed.measured_requests = requests
+        return seed
+
     def add(self, level_rates: list[float], weight: float, requests: int) -> None:
         self.measured_requests += requests
         keep = 1.0 - weight
@@ -355,10 +365,13 @@ class DraftController:
         request_weight: float = REQUEST_WEIGHT,
         switch_margin: float = 0.0,
         catch_up: float = 0.0,
+        stale_slot_steps: int = 0,
     ) -> None:
         self.max_depth = max_depth
         self.switch_margin = switch_margin
         self.catch_up = catch_up
+        self.stale_slot_steps = stale_slot_steps
+        self._refreshed_at: dict[int, int] = {}  # per load slot: the step count at its last measured (or seeded) step
         self._unmeasured: dict[int, int] = {}  # per load slot: steps since its last measured one that added nothing
         self._current: dict[int, int] = {}  # per load slot: the depth the plan last chose (not probes)
         self.probe_interval = probe_interval
@@ -408,7 +421,9 @@ class DraftController:
 
     def plan(self, batch: int, ceiling: int) -> DraftPlan:
         """ceiling: the most candidates this step can have (B x nodes per request)."""
-        self._slot = load_bucket(batch)
+        previous, self._slot = self._slot, load_bucket(batch)
+        if self._slot != previous:
+            self._reseed_stale(self._slot, previous)
         probe = self.probe_due(batch)
         if probe:
             self._last_probe = self.steps
@@ -433,6 +448,34 @@ class DraftController:
             return DraftPlan(probe_depth, ceiling // self.max_depth * probe_depth, True)
         self._current[self._slot] = depth
         return DraftPlan(depth, min(ceiling, max(4 * max(self._budget, default=0), 2 * batch)), False)
+
+    def _fresh(self, slot: int) -> bool:
+        at = self._refreshed_at.get(slot)
+        return at is not None and self.steps - at <= self.stale_slot_steps
+
+    def _reseed_stale(self, slot: int, previous: int) -> None:
+        """With `stale_slot_steps` S > 0: a plan moving into a neighbouring load slot that measured nothing in the
+        last S steps starts from the slot it leaves (its values at one step's weight), if that one is fresh.
+
+        Why: a slot's values are what drafting was worth when it last ran at that load, which may be another phase
+        of the workload altogether. On the testbed every job's drain (the queue empty, the batch shrinking) passed
+        through slots last measured in the warm-up job's drain, whose few requests were its hardest: values of
+        0.94-1.0x plain for depths the job's own steps had just measured at 1.4-1.65x. The plan decoded plain at
+        batch 3-11 for ~10 steps until a probe (batch 16, 3 of 3 jobs), and the drain took 0.70-0.83 s against
+        EAGLE-3@2's 0.57-0.60 s. The neighbouring slot's fresh values are the better prior: the load differs by at
+        most ~2x, and the new slot's own steps replace them within a few steps. Only neighbours: a jump across
+        slots (a warm-up's batch-1 tail into a full batch) keeps the slot's own values. Step counts only: every TP
+        rank decides alike."""
+        if self.stale_slot_steps <= 0 or abs(slot - previous) != 1 or self._fresh(slot) or not self._fresh(previous):
+            return
+        source = self._memory.get(previous)
+        if source is None or source.measured_requests < MIN_MEASURED_REQUESTS or None in source.value:
+            return
+        self._memory[slot] = source.seeded(self.alpha, MIN_MEASURED_REQUESTS)
+        self._refreshed_at[slot] = self.steps
+        self._unmeasured.pop(slot, None)
+        if previous in self._current:
+            self._current[slot] = self._current[previous]
 
     def _settle(self, memory: LevelMemory, best: int) -> int:
         """With `switch_margin` z > 0: the plan leaves its current depth c only for a depth whose paired lead over
@@ -491,7 +534,9 @@ class DraftController:
         self.last_levels = list(level_rates)
         if batch is None:
             self._memory_of(self._slot).add(self.last_levels, self.alpha, MIN_MEASURED_REQUESTS)
+            self._refreshed_at[self._slot] = self.steps
             return
         self._slot = load_bucket(batch)
         a = self.step_weight(batch, self._unmeasured.pop(self._slot, 0))
         self._memory_of(self._slot).add(self.last_levels, a, batch)
+        self._refreshed_at[self._slot] = self.steps

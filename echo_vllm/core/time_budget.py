@@ -164,6 +164,7 @@ class TimeAwareBudget:
         probe_next: bool = False,
         switch_margin: float = 0.0,
         catch_up: float = 0.0,
+        stale_slot_steps: int = 0,
         continuation_memory: str = "steps",
         plain_head_rows: str = "measured",
         device: Any = "cpu",
@@ -192,6 +193,7 @@ class TimeAwareBudget:
             probe_next=probe_next,
             switch_margin=switch_margin,
             catch_up=catch_up,
+            stale_slot_steps=stale_slot_steps,
         )
         self.acceptance = AcceptanceModel(max_depth, device=device)
         # Trees: the nodes off the spine, learned online from the tree steps (not saved: the prior is the node's own

@@ -211,6 +211,7 @@ class HFEngine:
                 probe_next=settings.probe_depth == "next",
                 switch_margin=settings.depth_switch_margin,
                 catch_up=settings.plan_catch_up,
+                stale_slot_steps=settings.stale_slot_steps,
                 continuation_memory=settings.continuation_memory,
                 plain_head_rows=settings.plain_head_rows,
                 surplus_tail=False,  # drafting stops at a closed gate here: there are no tails to add

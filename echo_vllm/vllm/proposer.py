@@ -302,6 +302,7 @@ class EchoProposer(EagleProposer):
                 probe_next=s.probe_depth == "next",
                 switch_margin=s.depth_switch_margin,
                 catch_up=s.plan_catch_up,
+                stale_slot_steps=s.stale_slot_steps,
                 continuation_memory=s.continuation_memory,
                 plain_head_rows=s.plain_head_rows,
                 surplus_tail=s.surplus_tail,

@@ -189,6 +189,25 @@ def test_device_figures_wait_for_the_interval(channel, monkeypatch):
     assert _value(samples, "echo_vllm:verify_length_count") == 6
 
 
+def test_step_counts_between_writes_are_kept_bounded_and_all_counted(channel, monkeypatch):
+    """K_i lists wait for the next write (counted together), at most MAX_PENDING_STEPS of them: none is lost."""
+    monkeypatch.setenv(prom_metrics.INTERVAL_ENV, "60")
+    clock = [100.0]
+    monkeypatch.setattr(prom_metrics.time, "monotonic", lambda: clock[0])
+    proposer = FakeProposer()
+    exporter = prom_metrics.exporter_for(proposer, _config())
+    steps = prom_metrics.MAX_PENDING_STEPS + 44
+    for i in range(steps):
+        exporter.on_step(proposer, [i % 5, 1], 8)
+        assert len(exporter._pending_counts) < prom_metrics.MAX_PENDING_STEPS
+    clock[0] += 61
+    exporter.on_step(proposer, [0, 0], 8)
+    samples = _scrape(channel)
+    assert _value(samples, "echo_vllm:verify_length_count") == 2 * (steps + 1)
+    assert _value(samples, "echo_vllm:verify_length_sum") == sum(i % 5 + 1 for i in range(steps))
+    assert _value(samples, "echo_vllm:verify_length_bucket", le="0.0") == sum(i % 5 == 0 for i in range(steps)) + 2
+
+
 def test_time_aware_budget_keys_are_exported_only_when_present(channel):
     plain = FakeProposer()
     plain.drop = {*prom_metrics.OPTIONAL_GAUGES, "budget_mode"}

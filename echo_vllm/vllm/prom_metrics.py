@@ -21,6 +21,7 @@ A fault in here never reaches serving: it is logged once with its traceback and 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -42,6 +43,8 @@ CALIBRATION_STATES = ("warming_up", "calibrated", "loaded", "ungated")
 BUDGET_MODES = ("auto", "fixed")
 BUDGET_PHASES = ("warmup", "profile", "auto", "fixed")  # EchoProposer.phase
 # Seconds; the draft phase runs from well under a millisecond (CUDA, small batch) to ~1 s (CPU, large batch).
+# Steps whose K_i lists wait for the next write at most (a long interval must not hold an unbounded list).
+MAX_PENDING_STEPS = 256
 TIME_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, math.inf)
 
 
@@ -195,6 +198,7 @@ class PromExporter:
         self.capacity_tokens = 0
         # K_i is an integer in [0, D]: one bucket per value (+Inf never fills).
         self.verify_length = _Histogram((*(float(d) for d in range(max_depth + 1)), math.inf))
+        self._pending_counts: list[list[int]] = []  # steps' K_i lists not yet in verify_length (`_fold_counts`)
         self.proposer_time = _Histogram(TIME_BUCKETS)
         self._last_read = -math.inf
         self._last_time_write = -math.inf
@@ -268,11 +272,14 @@ class PromExporter:
         self.steps += 1
         self.draft_tokens += step_sum
         self.capacity_tokens += budget
-        self.verify_length.observe_many(Counter(counts))
+        self._pending_counts.append(counts)
         now = time.monotonic()
         if now - self._last_read < self.interval:
+            if len(self._pending_counts) >= MAX_PENDING_STEPS:
+                self._fold_counts()
             return  # host counts accumulate; the series are written every `interval` (a write costs ~0.07 ms)
         self._last_read = now
+        self._fold_counts()
         self._c("steps", self.steps)
         self._c("budget_draft_tokens", self.draft_tokens)
         self._c("budget_capacity_tokens", self.capacity_tokens)
@@ -280,6 +287,14 @@ class PromExporter:
         self._g("step_budget", float(budget))
         self._h("verify_length", self.verify_length)
         self._publish_device(proposer)
+
+    def _fold_counts(self) -> None:
+        """The pending steps' K_i into the histogram, counted together: a Counter per step cost ~0.03 ms at batch 1
+        and ~0.08 ms at batch 64 in the engine (the proposer's `counts` lists are new every step, so kept as they
+        are)."""
+        if self._pending_counts:
+            self.verify_length.observe_many(Counter(itertools.chain.from_iterable(self._pending_counts)))
+            self._pending_counts = []
 
     def _publish_calibration(self, proposer: Any) -> None:
         state = calibration_state(proposer)

@@ -149,7 +149,7 @@ def test_tree_drafting_is_priced_apart_from_chain_drafting_and_travels(tmp_path)
     assert chains is not None and chains.tree_draft_terms == pytest.approx((0.0, 0.0), abs=1e-6)
     # Transport: the vector and the profile file; older vectors and profiles load without the term.
     assert CostModel.from_vector(model.to_vector()) == model
-    assert CostModel.from_vector(model.to_vector()[:-2]).tree_draft_terms == (0.0, 0.0)
+    assert CostModel.from_vector(model.to_vector()[:-4]).tree_draft_terms == (0.0, 0.0)
     path = tmp_path / "p.budget.json"
     save_profile(path, model, AcceptanceModel(4))
     assert load_profile(path, 4)[0] == model
@@ -177,8 +177,46 @@ def test_first_pass_cost_is_recovered_and_deep_drafts_are_not_overpriced():
     # The marginal depth costs a chained pass, not the first pass's share (the linear model's bias to shallow).
     assert model.draft_seconds(1, 4) - model.draft_seconds(1, 3) == pytest.approx(0.0006, rel=0.15)
     # Profiles written before the first-pass terms load as the linear model (zeros); the verify terms came after.
-    old_vector = model.to_vector()[:-8]  # less first-pass (2), verify (2), deferred, context, tree-draft (2) terms
+    old_vector = model.to_vector()[:-10]  # less first-pass (2), verify (2), h, k, tree-draft (2), loop (2) terms
     assert CostModel.from_vector(old_vector).first_pass_terms == (0.0, 0.0)
+
+
+def _draft_with_loop(batch, depth):
+    """The s32 testbed shape: entering the chained loop (depth >= 2) costs extra on top of each chained pass (batch
+    64: depths 1-4 at 12.1 / 22.5 / 28.9 / 35.5 ms)."""
+    return _draft_first_pass(batch, depth) + (0.0004 + 0.00006 * batch if depth >= 2 else 0.0)
+
+
+def test_the_chained_loops_entry_is_priced_apart_from_the_per_depth_slope(tmp_path):
+    samples = _samples(lambda n, b: 0.002 + 0.0003 * n, _draft_with_loop, noise=0.02)
+    model = fit_cost_model(samples)
+    assert model is not None and model.fit_error < 0.05
+    for batch in (1, 8, 32):
+        for depth in range(5):
+            assert model.draft_seconds(batch, depth) == pytest.approx(_draft_with_loop(batch, depth), rel=0.08)
+    l0, l1 = model.loop_terms
+    assert l0 == pytest.approx(0.0004, rel=0.35) and l1 == pytest.approx(0.00006, rel=0.25)
+    # Depth 1 -> 2 costs the loop's entry and a pass; 3 -> 4 a pass only.
+    step_12 = model.draft_seconds(32, 2) - model.draft_seconds(32, 1)
+    step_34 = model.draft_seconds(32, 4) - model.draft_seconds(32, 3)
+    assert step_12 == pytest.approx(0.0006 + 0.0004 + 0.00006 * 32, rel=0.1) and step_34 == pytest.approx(
+        0.0006, rel=0.15
+    )
+    # Without the loop's terms the per-depth line prices depth 2 below its steps (the bias the terms remove).
+    linear = dataclasses.replace(model, loop_terms=(0.0, 0.0))
+    assert linear.draft_seconds(32, 2) < 0.95 * _draft_with_loop(32, 2)
+    assert CostModel.from_vector(model.to_vector()) == model
+    assert CostModel.from_vector(model.to_vector()[:-2]).loop_terms == (0.0, 0.0)  # a vector from before the terms
+    path = tmp_path / "p.budget.json"
+    save_profile(path, model, AcceptanceModel(4))
+    assert load_profile(path, 4)[0] == model
+    raw = json.loads(path.read_text())
+    del raw["cost_model"]["loop_terms"]  # a profile written before the terms
+    path.write_text(json.dumps(raw))
+    assert load_profile(path, 4)[0].loop_terms == (0.0, 0.0)
+    # Steps that never draft past depth 1 leave the terms at 0.
+    shallow = fit_cost_model([x for x in samples if x.draft_depth <= 1])
+    assert shallow is not None and shallow.loop_terms == (0.0, 0.0)
 
 
 def _deferring_samples(h: float, n=400, seed=3, noise=0.02):
@@ -256,7 +294,10 @@ def test_the_jump_of_verifying_at_all_is_recovered_and_small_budgets_are_not_und
     flat = dataclasses.replace(model, verify_terms=(0.0, 0.0))
     assert flat.step_seconds(9, 8, 0, verified=1) - flat.step_seconds(8, 8, 0) < 0.001
     # Vectors and profiles written before the verify terms load with zeros.
-    assert CostModel.from_vector(model.to_vector()[:-6]).verify_terms == (0.0, 0.0)  # less verify, h, k, tree-draft
+    assert CostModel.from_vector(model.to_vector()[:-8]).verify_terms == (
+        0.0,
+        0.0,
+    )  # less verify, h, k, tree-draft, loop
 
 
 def _tree_engine_profile(seed: int) -> list[StepSample]:
@@ -483,7 +524,7 @@ def test_a_context_model_travels_and_older_vectors_and_profiles_load_without_it(
     model = fit_cost_model(_context_samples(2.7e-6))
     assert model is not None
     assert CostModel.from_vector(model.to_vector()) == model
-    assert CostModel.from_vector(model.to_vector()[:-3]).context_s == 0.0  # a vector from before the term
+    assert CostModel.from_vector(model.to_vector()[:-5]).context_s == 0.0  # a vector from before the term
     path = tmp_path / "p.budget.json"
     save_profile(path, model, AcceptanceModel(4))
     assert load_profile(path, 4)[0] == model
@@ -506,6 +547,7 @@ def test_model_change_is_the_median_relative_move_of_steady_step_prices():
         draft_terms=tuple(1.1 * v for v in model.draft_terms),  # type: ignore[arg-type]
         first_pass_terms=tuple(1.1 * v for v in model.first_pass_terms),  # type: ignore[arg-type]
         verify_terms=tuple(1.1 * v for v in model.verify_terms),  # type: ignore[arg-type]
+        loop_terms=tuple(1.1 * v for v in model.loop_terms),  # type: ignore[arg-type]
     )
     assert model_change(model, slower, 4) == pytest.approx(0.1 / 1.1, rel=1e-9)  # every price 10 % up
 

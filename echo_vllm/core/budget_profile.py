@@ -19,6 +19,7 @@ from echo_vllm.core.atomic_file import atomic_write_text
 from echo_vllm.core.cost_model import (
     DRAFT_TERMS,
     FIRST_PASS_TERMS,
+    LOOP_TERMS,
     TREE_DRAFT_TERMS,
     TREE_TERMS,
     VERIFY_TERMS,
@@ -56,6 +57,8 @@ class _CostModelJson(BaseModel):
     tree_draft_terms: list[float] = Field(
         default_factory=lambda: [0.0, 0.0], min_length=TREE_DRAFT_TERMS, max_length=TREE_DRAFT_TERMS
     )
+    # Added with the chained loop's entry term; profiles written before it have none (depth 2 on the per-depth line).
+    loop_terms: list[float] = Field(default_factory=lambda: [0.0, 0.0], min_length=LOOP_TERMS, max_length=LOOP_TERMS)
 
 
 class _AcceptanceJson(BaseModel):
@@ -101,6 +104,7 @@ def save_profile(path: str | os.PathLike[str], cost: CostModel, acceptance: Acce
             "deferred_row_s": cost.deferred_row_s,
             "context_s": cost.context_s,
             "tree_draft_terms": list(cost.tree_draft_terms),
+            "loop_terms": list(cost.loop_terms),
         },
         "acceptance": acceptance.to_json_dict(),
     }
@@ -154,6 +158,7 @@ def load_profile(
             c.deferred_row_s,
             c.context_s,
             (c.tree_draft_terms[0], c.tree_draft_terms[1]),
+            (c.loop_terms[0], c.loop_terms[1]),
         )
         acceptance = AcceptanceModel.from_json_dict(data.acceptance.model_dump(), expected_max_depth, device)
     except (ValueError, RuntimeError) as err:

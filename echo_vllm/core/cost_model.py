@@ -9,7 +9,8 @@ prefill chunks), B the number of running requests and d the draft depth drafted 
                 saturation knee on a GPU, about linear on a small CPU) plus a per-request term;
   draft(B, d) = a + b B + [d >= 1] (f + g B) + d (c + e B): the proposer's fixed work, the drafter's first
                 pass (which also feeds the accepted tokens of the last step: on the testbed it costs 2-3x a chained
-                pass, so a model linear in d overprices deep drafts) and d chained passes at batch B.
+                pass, so a model linear in d overprices deep drafts) and d chained passes at batch B (plus
+                loop(B), below, from d = 2).
 A step whose forward verifies any drafts (V > 0) adds
   verify(B)   = [V > 0] (v0 + v1 B): what verifying at all costs over a plain step, whatever the number of drafts:
                 multi-token queries (vLLM's CPU attention takes its prefill path for them), the rejection sampler,
@@ -36,6 +37,13 @@ A step whose drafter drafted trees (the per-depth top-k siblings, `top_k > 1`) a
                 selection bought siblings as if drafting them were free: the next step drafts trees again because
                 of them (`WidthSchedule`), so the budget charges a prefix with width the next step's tree drafting
                 (`TimeAwareBudget.curves`), and width is bought only where it pays for that too.
+A step that drafts deeper than one (d >= 2) adds to its drafting
+  loop(B)     = [d >= 2] (l0 + l1 B): entering vLLM's chained draft loop at all, on top of each chained pass. On the
+                testbed the first chained pass cost more than the later ones: proposer medians by drafted depth,
+                batch 64 (one s32 profile job), 12.1 / 22.5 / 28.9 / 35.5 ms at depths 1-4 (+10.4 ms, then +6.4
+                and +6.6); batch 16 ~+2.1-2.9 ms, then +1.5. A model linear in d from the first pass on put that
+                step between depth 1 and 2 into the per-depth slope, so it priced depth 2 below its steps and depth
+                4 above: a bias towards depth 2 over depth 1 of ~2 % of a batch-64 step, where depth 1 was best.
 A step whose first pass also carries R head rows deferred from earlier plain steps (`defer_plain_head`) adds
   deferred(R) = h R: the head's work those plain steps skipped. Without this term the merged backlog was charged
                 to the first-pass terms of every drafting step (f + g B) and plain steps looked free of head work:
@@ -72,6 +80,7 @@ VERIFY_TERMS = 2  # v0, v1 of verify(B): the step cost of verifying at all (V >=
 DEFERRED_TERMS = 1  # h of deferred(R): seconds per deferred head row merged into a first pass
 CONTEXT_TERMS = 1  # k of context(C): seconds per token already in the KV cache of the step's requests
 TREE_DRAFT_TERMS = 2  # p0, p1 of tree_draft(B, d): the extra drafting of a step that drafts trees
+LOOP_TERMS = 2  # l0, l1 of loop(B): entering the chained draft loop (d >= 2)
 
 
 @dataclass(frozen=True)
@@ -178,6 +187,7 @@ class CostModel:
     deferred_row_s: float = 0.0
     context_s: float = 0.0
     tree_draft_terms: tuple[float, float] = (0.0, 0.0)
+    loop_terms: tuple[float, float] = (0.0, 0.0)
 
     def __post_init__(self) -> None:
         if len(self.knots) < 2 or len(self.knots) != len(self.rest_s):
@@ -186,7 +196,7 @@ class CostModel:
             raise ValueError("cost model knots must be strictly increasing")
         values = [
             *self.rest_s, self.per_request_s, *self.draft_terms, *self.tree_terms, *self.first_pass_terms,
-            *self.verify_terms, self.deferred_row_s, self.context_s, *self.tree_draft_terms,
+            *self.verify_terms, self.deferred_row_s, self.context_s, *self.tree_draft_terms, *self.loop_terms,
         ]  # fmt: skip
         if (
             len(self.draft_terms) != DRAFT_TERMS
@@ -194,9 +204,11 @@ class CostModel:
             or len(self.first_pass_terms) != FIRST_PASS_TERMS
             or len(self.verify_terms) != VERIFY_TERMS
             or len(self.tree_draft_terms) != TREE_DRAFT_TERMS
+            or len(self.loop_terms) != LOOP_TERMS
         ):
             raise ValueError(
-                "a cost model has 4 draft terms, 2 tree terms, 2 first-pass terms, 2 verify terms and 2 tree-draft terms"
+                "a cost model has 4 draft terms, 2 tree terms, 2 first-pass terms, 2 verify terms, 2 tree-draft terms "
+                "and 2 loop terms"
             )
         if not all(math.isfinite(v) and v >= 0 for v in values):
             raise ValueError("cost model times must be finite and >= 0")
@@ -241,10 +253,13 @@ class CostModel:
         a, b, c, e = self.draft_terms
         f, g = self.first_pass_terms
         first = f + g * batch if draft_depth >= 1 else 0.0
+        l0, l1 = self.loop_terms
+        loop = l0 + l1 * batch if draft_depth >= 2 else 0.0
         return (
             a
             + b * batch
             + first
+            + loop
             + draft_depth * (c + e * batch)
             + (self.tree_draft_at(batch, draft_depth) if trees else 0.0)
         )
@@ -268,7 +283,7 @@ class CostModel:
 
     def to_vector(self) -> list[float]:
         """Flat floats: [K, knots..., rest..., per_request, draft terms..., fit_error, num_samples, tree terms...,
-        first-pass terms..., verify terms..., h, k, tree-draft terms...]."""
+        first-pass terms..., verify terms..., h, k, tree-draft terms..., loop terms...]."""
         return [
             float(len(self.knots)),
             *self.knots,
@@ -283,6 +298,7 @@ class CostModel:
             self.deferred_row_s,
             self.context_s,
             *self.tree_draft_terms,
+            *self.loop_terms,
         ]
 
     @classmethod
@@ -298,15 +314,16 @@ class CostModel:
         deferred = tail[13] if len(tail) >= 14 else 0.0
         context = tail[14] if len(tail) >= 15 else 0.0
         tree_draft = (tail[15], tail[16]) if len(tail) >= 17 else (0.0, 0.0)
+        loop = (tail[17], tail[18]) if len(tail) >= 19 else (0.0, 0.0)
         return cls(
-            knots, rest, tail[0], draft, tail[5], int(tail[6]), tree, first, verify, deferred, context, tree_draft
+            knots, rest, tail[0], draft, tail[5], int(tail[6]), tree, first, verify, deferred, context, tree_draft, loop
         )
 
 
 def vector_length(num_knots: int) -> int:
     return (
         1 + 2 * num_knots + 1 + DRAFT_TERMS + 2 + TREE_TERMS + FIRST_PASS_TERMS + VERIFY_TERMS + DEFERRED_TERMS
-        + CONTEXT_TERMS + TREE_DRAFT_TERMS
+        + CONTEXT_TERMS + TREE_DRAFT_TERMS + LOOP_TERMS
     )  # fmt: skip
 
 
@@ -422,6 +439,7 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
     context_s = float(v[k + 5]) / 1e3
 
     drafts = (depth >= 1).to(torch.float64)
+    looped = (depth >= 2).to(torch.float64)
     x_draft = torch.stack(
         [
             torch.ones_like(batch),
@@ -433,6 +451,8 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
             merged,
             trees,
             trees * batch * depth,
+            looped,
+            looped * batch,
         ],
         dim=1,
     )
@@ -462,6 +482,7 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
         terms[6],
         context_s,
         (terms[7], terms[8]),
+        (terms[9], terms[10]),
     )
 
 

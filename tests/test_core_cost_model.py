@@ -149,7 +149,7 @@ def test_tree_drafting_is_priced_apart_from_chain_drafting_and_travels(tmp_path)
     assert chains is not None and chains.tree_draft_terms == pytest.approx((0.0, 0.0), abs=1e-6)
     # Transport: the vector and the profile file; older vectors and profiles load without the term.
     assert CostModel.from_vector(model.to_vector()) == model
-    assert CostModel.from_vector(model.to_vector()[:-4]).tree_draft_terms == (0.0, 0.0)
+    assert CostModel.from_vector(model.to_vector()[:-5]).tree_draft_terms == (0.0, 0.0)
     path = tmp_path / "p.budget.json"
     save_profile(path, model, AcceptanceModel(4))
     assert load_profile(path, 4)[0] == model
@@ -177,7 +177,7 @@ def test_first_pass_cost_is_recovered_and_deep_drafts_are_not_overpriced():
     # The marginal depth costs a chained pass, not the first pass's share (the linear model's bias to shallow).
     assert model.draft_seconds(1, 4) - model.draft_seconds(1, 3) == pytest.approx(0.0006, rel=0.15)
     # Profiles written before the first-pass terms load as the linear model (zeros); the verify terms came after.
-    old_vector = model.to_vector()[:-10]  # less first-pass (2), verify (2), h, k, tree-draft (2), loop (2) terms
+    old_vector = model.to_vector()[:-11]  # less first-pass (2), verify (2), h, k, tree-draft (2), loop (2), r
     assert CostModel.from_vector(old_vector).first_pass_terms == (0.0, 0.0)
 
 
@@ -206,7 +206,7 @@ def test_the_chained_loops_entry_is_priced_apart_from_the_per_depth_slope(tmp_pa
     linear = dataclasses.replace(model, loop_terms=(0.0, 0.0))
     assert linear.draft_seconds(32, 2) < 0.95 * _draft_with_loop(32, 2)
     assert CostModel.from_vector(model.to_vector()) == model
-    assert CostModel.from_vector(model.to_vector()[:-2]).loop_terms == (0.0, 0.0)  # a vector from before the terms
+    assert CostModel.from_vector(model.to_vector()[:-3]).loop_terms == (0.0, 0.0)  # a vector from before the terms
     path = tmp_path / "p.budget.json"
     save_profile(path, model, AcceptanceModel(4))
     assert load_profile(path, 4)[0] == model
@@ -217,6 +217,60 @@ def test_the_chained_loops_entry_is_priced_apart_from_the_per_depth_slope(tmp_pa
     # Steps that never draft past depth 1 leave the terms at 0.
     shallow = fit_cost_model([x for x in samples if x.draft_depth <= 1])
     assert shallow is not None and shallow.loop_terms == (0.0, 0.0)
+
+
+def _joining_samples(r: float, n=400, seed=5, noise=0.02):
+    """Decode steps (one row per request plus the verified drafts) and, one in five, steps where requests join: their
+    prompt chunks add P rows to the forward, which the draft head's first pass runs too (r seconds per row)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        batch = rng.choice([4, 8, 16, 32])
+        depth = rng.randint(0, 4)
+        verified = rng.randint(0, 4 * batch)
+        prompt = rng.randint(32, 256) if rng.random() < 0.2 else 0
+        tokens = batch + verified + prompt
+        draft = _draft_with_loop(batch, depth) + (r * prompt if depth >= 1 else 0.0)
+        rest = 0.002 + 0.0003 * tokens
+        u = rng.uniform
+        out.append(StepSample(tokens, batch, depth, rest * u(1 - noise, 1 + noise), draft * u(1 - noise, 1 + noise),
+                              verified=verified))  # fmt: skip
+    return out
+
+
+def test_joining_requests_prompt_rows_are_priced_apart_from_decode_drafting(tmp_path):
+    r = 0.00002  # the s32 logs' joining steps: ~0.02-0.03 ms per prompt row
+    samples = _joining_samples(r)
+    model = fit_cost_model(samples)
+    assert model is not None and model.fit_error < 0.05
+    assert model.prompt_row_s == pytest.approx(r, rel=0.15)
+    for batch in (4, 16, 32):  # decode drafting (what the budget prices) as if no request ever joined
+        for depth in range(5):
+            assert model.draft_seconds(batch, depth) == pytest.approx(_draft_with_loop(batch, depth), rel=0.08)
+    # Without the column (every row counted as a verified one) the joining steps' drafting is priced as a decode
+    # step's: their rows' cost unexplained, ~r P short.
+    blind = fit_cost_model([dataclasses.replace(x, verified=x.num_tokens - x.batch) for x in samples])
+    assert blind is not None and blind.prompt_row_s == 0.0
+    joining = [x for x in samples if x.draft_depth >= 1 and x.num_tokens > x.batch + x.verified]
+    short = [(x.draft_s - blind.draft_seconds(x.batch, x.draft_depth)) / (x.num_tokens - x.batch - x.verified)
+             for x in joining]  # fmt: skip
+    priced = [(x.draft_s - model.draft_seconds(x.batch, x.draft_depth)
+               - model.prompt_row_s * (x.num_tokens - x.batch - x.verified)) / (x.num_tokens - x.batch - x.verified)
+              for x in joining]  # fmt: skip
+    assert statistics.median(short) > 0.7 * r and abs(statistics.median(priced)) < 0.1 * r
+    # Plain steps (depth 0) run no first pass now (their rows are deferred or skipped): no prompt-row charge.
+    plain_only = fit_cost_model([x for x in samples if x.draft_depth == 0])
+    assert plain_only is not None and plain_only.prompt_row_s == 0.0
+    # Transport: the vector and the profile file; older vectors and profiles load without the term.
+    assert CostModel.from_vector(model.to_vector()) == model
+    assert CostModel.from_vector(model.to_vector()[:-1]).prompt_row_s == 0.0
+    path = tmp_path / "p.budget.json"
+    save_profile(path, model, AcceptanceModel(4))
+    assert load_profile(path, 4)[0] == model
+    raw = json.loads(path.read_text())
+    del raw["cost_model"]["prompt_row_s"]
+    path.write_text(json.dumps(raw))
+    assert load_profile(path, 4)[0].prompt_row_s == 0.0
 
 
 def _deferring_samples(h: float, n=400, seed=3, noise=0.02):
@@ -294,10 +348,10 @@ def test_the_jump_of_verifying_at_all_is_recovered_and_small_budgets_are_not_und
     flat = dataclasses.replace(model, verify_terms=(0.0, 0.0))
     assert flat.step_seconds(9, 8, 0, verified=1) - flat.step_seconds(8, 8, 0) < 0.001
     # Vectors and profiles written before the verify terms load with zeros.
-    assert CostModel.from_vector(model.to_vector()[:-8]).verify_terms == (
+    assert CostModel.from_vector(model.to_vector()[:-9]).verify_terms == (
         0.0,
         0.0,
-    )  # less verify, h, k, tree-draft, loop
+    )  # less verify, h, k, tree-draft, loop, r
 
 
 def _tree_engine_profile(seed: int) -> list[StepSample]:
@@ -524,7 +578,7 @@ def test_a_context_model_travels_and_older_vectors_and_profiles_load_without_it(
     model = fit_cost_model(_context_samples(2.7e-6))
     assert model is not None
     assert CostModel.from_vector(model.to_vector()) == model
-    assert CostModel.from_vector(model.to_vector()[:-5]).context_s == 0.0  # a vector from before the term
+    assert CostModel.from_vector(model.to_vector()[:-6]).context_s == 0.0  # a vector from before the term
     path = tmp_path / "p.budget.json"
     save_profile(path, model, AcceptanceModel(4))
     assert load_profile(path, 4)[0] == model

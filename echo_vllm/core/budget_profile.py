@@ -59,6 +59,8 @@ class _CostModelJson(BaseModel):
     )
     # Added with the chained loop's entry term; profiles written before it have none (depth 2 on the per-depth line).
     loop_terms: list[float] = Field(default_factory=lambda: [0.0, 0.0], min_length=LOOP_TERMS, max_length=LOOP_TERMS)
+    # Added with the prompt-row term; profiles written before it have none (joining steps' rows in the other terms).
+    prompt_row_s: float = Field(default=0.0, ge=0)
 
 
 class _AcceptanceJson(BaseModel):
@@ -105,6 +107,7 @@ def save_profile(path: str | os.PathLike[str], cost: CostModel, acceptance: Acce
             "context_s": cost.context_s,
             "tree_draft_terms": list(cost.tree_draft_terms),
             "loop_terms": list(cost.loop_terms),
+            "prompt_row_s": cost.prompt_row_s,
         },
         "acceptance": acceptance.to_json_dict(),
     }
@@ -159,6 +162,7 @@ def load_profile(
             c.context_s,
             (c.tree_draft_terms[0], c.tree_draft_terms[1]),
             (c.loop_terms[0], c.loop_terms[1]),
+            c.prompt_row_s,
         )
         acceptance = AcceptanceModel.from_json_dict(data.acceptance.model_dump(), expected_max_depth, device)
     except (ValueError, RuntimeError) as err:

@@ -44,6 +44,14 @@ A step that drafts deeper than one (d >= 2) adds to its drafting
                 and +6.6); batch 16 ~+2.1-2.9 ms, then +1.5. A model linear in d from the first pass on put that
                 step between depth 1 and 2 into the per-depth slope, so it priced depth 2 below its steps and depth
                 4 above: a bias towards depth 2 over depth 1 of ~2 % of a batch-64 step, where depth 1 was best.
+A drafting step (d >= 1) whose forward carried P prompt rows (requests joining: rows beyond one per request and
+the verified drafts) adds to its drafting
+  prompt(P)   = [d >= 1] r P: the draft head's first pass runs over every row of the forward, prompt chunks
+                included. Decode steps (P = 0) are what the budget prices, but without this term the fit spread
+                the joining steps' rows over every step's terms: refitted offline from s32 profile logs
+                (`scripts/refit_step_log.py`), decode steps' drafting came out priced 0.2 ms (batch 16) and 1.5 ms
+                (batch 64, ~13 % of a depth-1 proposer) above their medians, joining steps 4.7 and 6.9 ms below;
+                the joining steps' median residual was 0.023-0.029 ms per prompt row.
 A step whose first pass also carries R head rows deferred from earlier plain steps (`defer_plain_head`) adds
   deferred(R) = h R: the head's work those plain steps skipped. Without this term the merged backlog was charged
                 to the first-pass terms of every drafting step (f + g B) and plain steps looked free of head work:
@@ -81,6 +89,7 @@ DEFERRED_TERMS = 1  # h of deferred(R): seconds per deferred head row merged int
 CONTEXT_TERMS = 1  # k of context(C): seconds per token already in the KV cache of the step's requests
 TREE_DRAFT_TERMS = 2  # p0, p1 of tree_draft(B, d): the extra drafting of a step that drafts trees
 LOOP_TERMS = 2  # l0, l1 of loop(B): entering the chained draft loop (d >= 2)
+PROMPT_ROW_TERMS = 1  # r of prompt(P): seconds per prompt row in a drafting step's first pass
 
 
 @dataclass(frozen=True)
@@ -188,6 +197,7 @@ class CostModel:
     context_s: float = 0.0
     tree_draft_terms: tuple[float, float] = (0.0, 0.0)
     loop_terms: tuple[float, float] = (0.0, 0.0)
+    prompt_row_s: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.knots) < 2 or len(self.knots) != len(self.rest_s):
@@ -197,6 +207,7 @@ class CostModel:
         values = [
             *self.rest_s, self.per_request_s, *self.draft_terms, *self.tree_terms, *self.first_pass_terms,
             *self.verify_terms, self.deferred_row_s, self.context_s, *self.tree_draft_terms, *self.loop_terms,
+            self.prompt_row_s,
         ]  # fmt: skip
         if (
             len(self.draft_terms) != DRAFT_TERMS
@@ -283,7 +294,7 @@ class CostModel:
 
     def to_vector(self) -> list[float]:
         """Flat floats: [K, knots..., rest..., per_request, draft terms..., fit_error, num_samples, tree terms...,
-        first-pass terms..., verify terms..., h, k, tree-draft terms..., loop terms...]."""
+        first-pass terms..., verify terms..., h, k, tree-draft terms..., loop terms..., r]."""
         return [
             float(len(self.knots)),
             *self.knots,
@@ -299,6 +310,7 @@ class CostModel:
             self.context_s,
             *self.tree_draft_terms,
             *self.loop_terms,
+            self.prompt_row_s,
         ]
 
     @classmethod
@@ -315,15 +327,17 @@ class CostModel:
         context = tail[14] if len(tail) >= 15 else 0.0
         tree_draft = (tail[15], tail[16]) if len(tail) >= 17 else (0.0, 0.0)
         loop = (tail[17], tail[18]) if len(tail) >= 19 else (0.0, 0.0)
+        prompt_row = tail[19] if len(tail) >= 20 else 0.0
         return cls(
-            knots, rest, tail[0], draft, tail[5], int(tail[6]), tree, first, verify, deferred, context, tree_draft, loop
-        )
+            knots, rest, tail[0], draft, tail[5], int(tail[6]), tree, first, verify, deferred, context, tree_draft, loop,
+            prompt_row,
+        )  # fmt: skip
 
 
 def vector_length(num_knots: int) -> int:
     return (
         1 + 2 * num_knots + 1 + DRAFT_TERMS + 2 + TREE_TERMS + FIRST_PASS_TERMS + VERIFY_TERMS + DEFERRED_TERMS
-        + CONTEXT_TERMS + TREE_DRAFT_TERMS + LOOP_TERMS
+        + CONTEXT_TERMS + TREE_DRAFT_TERMS + LOOP_TERMS + PROMPT_ROW_TERMS
     )  # fmt: skip
 
 
@@ -440,6 +454,8 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
 
     drafts = (depth >= 1).to(torch.float64)
     looped = (depth >= 2).to(torch.float64)
+    verified = torch.tensor([float(s.verified) for s in rows], dtype=torch.float64)
+    prompt_rows = (n - batch - verified - width).clamp(min=0.0)  # rows of joining requests' prompt chunks
     x_draft = torch.stack(
         [
             torch.ones_like(batch),
@@ -453,6 +469,7 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
             trees * batch * depth,
             looped,
             looped * batch,
+            drafts * prompt_rows,
         ],
         dim=1,
     )
@@ -483,6 +500,7 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
         context_s,
         (terms[7], terms[8]),
         (terms[9], terms[10]),
+        terms[11],
     )
 
 

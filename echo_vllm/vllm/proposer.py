@@ -1334,6 +1334,8 @@ class EchoProposer(EagleProposer):
             "draft_s": self._last_times[1],  # the previous step's proposer time (this one is still running)
             "policy": self._policy,  # "auto", or ECHO_VLLM_POLICY_BLOCKS' static:d of this step
             "probe_rows": 0 if self._probe_rows is None else int(self._probe_rows.sum()),  # a partial probe's rows
+            "tree_rows": self.forward_fix_rows,  # verified nodes off the spine in this step's forward (cost sample)
+            "merged_rows": self._merged_rows,  # deferred head rows this step's first pass carried (cost sample)
         }
         rounded: dict[str, Sequence[float | None]] = {}
         model_ms = None

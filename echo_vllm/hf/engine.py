@@ -370,7 +370,8 @@ class HFEngine:
         """A timed step for the cost model: split = (seconds in the target's part, seconds in the drafter's)."""
         assert self.budget is not None
         rest_s, draft_s = split
-        sample = StepSample(num_tokens, 1, depth, rest_s, draft_s, context=self._step_context)
+        # Every row past the one request's own is a verified draft (no prompt rows: prefill is not sampled).
+        sample = StepSample(num_tokens, 1, depth, rest_s, draft_s, verified=num_tokens - 1, context=self._step_context)
         self.budget.add_sample(sample, self.warming_up)
 
     def _pick(self, logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:

@@ -13,8 +13,9 @@ with `fit_cost_model`, the same fit the budget runs online, and the script print
 - per drafted depth at the log's most common batch, decode steps only (no prompt rows in the forward): the
   measured median proposer and outside-proposer milliseconds beside the refit's prices (and `--profile`'s);
 - the proposer-time residual (measured - priced) of decode steps and of steps whose forward carried prompt rows,
-  with the latter's median milliseconds per prompt row: the model has no per-row term, so a clearly positive value
-  says it underprices the steps where requests join (their prompt rows run through the draft head's first pass).
+  with the latter's median milliseconds per prompt row left after the model's `prompt_row_s`: a clearly positive
+  value says the model underprices the steps where requests join (their prompt rows run through the draft head's
+  first pass) — a profile from before the term (`--profile`), or a per-row cost the fit has not caught up with.
 
 Reporting only (no vLLM); older logs without `merged_rows` / `tree_rows` count them as 0.
 """
@@ -96,7 +97,7 @@ def prompt_rows(s: StepSample) -> int:
 
 def first_pass_residual(samples: list[StepSample], model: CostModel) -> dict[str, float | int]:
     """The proposer-time residual (measured - priced, ms) of drafting steps, split: decode steps, and steps whose
-    forward carried prompt rows, with the latter's median residual per prompt row (the model has no row term)."""
+    forward carried prompt rows, with the latter's median residual per prompt row (what `prompt_row_s` left)."""
     drafting = [s for s in samples if s.draft_depth >= 1]
     resid = {id(s): 1e3 * (s.draft_s - draft_price(model, s)) for s in drafting}
     decode = [resid[id(s)] for s in drafting if prompt_rows(s) == 0]

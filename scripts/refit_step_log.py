@@ -55,7 +55,7 @@ def samples_from_log(lines: list[dict]) -> list[StepSample]:
 
 
 def draft_price(model: CostModel, s: StepSample) -> float:
-    joining = model.prompt_row_s * prompt_rows(s) if s.draft_depth >= 1 else 0.0
+    joining = model.prompt_row_s * s.prompt_rows if s.draft_depth >= 1 else 0.0
     return model.draft_seconds(s.batch, s.draft_depth, s.tree_drafted) + model.deferred_row_s * s.merged + joining
 
 
@@ -67,7 +67,7 @@ def rest_price(model: CostModel, s: StepSample) -> float:
 
 def is_decode(s: StepSample) -> bool:
     """The forward held decode rows only: one per request plus the verified drafts (no prompt chunk)."""
-    return s.num_tokens <= s.batch + s.verified + s.width
+    return s.prompt_rows == 0
 
 
 def depth_table(samples: list[StepSample], models: dict[str, CostModel], batch: int) -> dict[int, dict]:
@@ -90,24 +90,19 @@ def depth_table(samples: list[StepSample], models: dict[str, CostModel], batch: 
     return table
 
 
-def prompt_rows(s: StepSample) -> int:
-    """Rows of the forward beyond the decode rows: prompt chunks of joining requests (the first pass runs them too)."""
-    return max(0, s.num_tokens - s.batch - s.verified - s.width)
-
-
 def first_pass_residual(samples: list[StepSample], model: CostModel) -> dict[str, float | int]:
     """The proposer-time residual (measured - priced, ms) of drafting steps, split: decode steps, and steps whose
     forward carried prompt rows, with the latter's median residual per prompt row (what `prompt_row_s` left)."""
     drafting = [s for s in samples if s.draft_depth >= 1]
     resid = {id(s): 1e3 * (s.draft_s - draft_price(model, s)) for s in drafting}
-    decode = [resid[id(s)] for s in drafting if prompt_rows(s) == 0]
-    joining = [s for s in drafting if prompt_rows(s) > 0]
+    decode = [resid[id(s)] for s in drafting if s.prompt_rows == 0]
+    joining = [s for s in drafting if s.prompt_rows > 0]
     out: dict[str, float | int] = {"decode_steps": len(decode), "joining_steps": len(joining)}
     if decode:
         out["decode_median_residual_ms"] = round(statistics.median(decode), 3)
     if joining:
         out["joining_median_residual_ms"] = round(statistics.median(resid[id(s)] for s in joining), 3)
-        out["ms_per_prompt_row"] = round(statistics.median(resid[id(s)] / prompt_rows(s) for s in joining), 5)
+        out["ms_per_prompt_row"] = round(statistics.median(resid[id(s)] / s.prompt_rows for s in joining), 5)
     return out
 
 

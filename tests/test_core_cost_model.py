@@ -251,12 +251,12 @@ def test_joining_requests_prompt_rows_are_priced_apart_from_decode_drafting(tmp_
     # step's: their rows' cost unexplained, ~r P short.
     blind = fit_cost_model([dataclasses.replace(x, verified=x.num_tokens - x.batch) for x in samples])
     assert blind is not None and blind.prompt_row_s == 0.0
-    joining = [x for x in samples if x.draft_depth >= 1 and x.num_tokens > x.batch + x.verified]
-    short = [(x.draft_s - blind.draft_seconds(x.batch, x.draft_depth)) / (x.num_tokens - x.batch - x.verified)
-             for x in joining]  # fmt: skip
-    priced = [(x.draft_s - model.draft_seconds(x.batch, x.draft_depth)
-               - model.prompt_row_s * (x.num_tokens - x.batch - x.verified)) / (x.num_tokens - x.batch - x.verified)
-              for x in joining]  # fmt: skip
+    joining = [x for x in samples if x.draft_depth >= 1 and x.prompt_rows > 0]
+    short = [(x.draft_s - blind.draft_seconds(x.batch, x.draft_depth)) / x.prompt_rows for x in joining]
+    priced = [
+        (x.draft_s - model.draft_seconds(x.batch, x.draft_depth) - model.prompt_row_s * x.prompt_rows) / x.prompt_rows
+        for x in joining
+    ]
     assert statistics.median(short) > 0.7 * r and abs(statistics.median(priced)) < 0.1 * r
     # Plain steps (depth 0) run no first pass now (their rows are deferred or skipped): no prompt-row charge.
     plain_only = fit_cost_model([x for x in samples if x.draft_depth == 0])

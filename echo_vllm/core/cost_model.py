@@ -108,6 +108,12 @@ class StepSample:
     context: int = 0  # tokens already in the KV cache of the step's requests, summed (0: not measured)
     tree_drafted: bool = False  # this step's drafter drafted trees (per-depth top-k siblings), not chains
 
+    @property
+    def prompt_rows(self) -> int:
+        """Rows of the forward beyond the decode rows (one per request, the verified drafts, the tree rows): prompt
+        chunks of joining requests, which the draft head's first pass runs too."""
+        return max(0, self.num_tokens - self.batch - self.verified - self.width)
+
 
 class StepSamples:
     """The samples a fit uses: the start-up profile's (kept for good: they span the token range) and a ring of the
@@ -454,8 +460,7 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
 
     drafts = (depth >= 1).to(torch.float64)
     looped = (depth >= 2).to(torch.float64)
-    verified = torch.tensor([float(s.verified) for s in rows], dtype=torch.float64)
-    prompt_rows = (n - batch - verified - width).clamp(min=0.0)  # rows of joining requests' prompt chunks
+    prompt_rows = torch.tensor([float(s.prompt_rows) for s in rows], dtype=torch.float64)
     x_draft = torch.stack(
         [
             torch.ones_like(batch),

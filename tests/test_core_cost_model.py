@@ -35,6 +35,26 @@ def _draft(batch, depth):
     return 0.001 + 0.00005 * batch + depth * (0.0008 + 0.00002 * batch)
 
 
+def _assert_term_travels(tmp_path, model: CostModel, field: str, terms_after: int) -> None:
+    """A cost-model term's transport: the TP vector and the profile file carry it, and a vector or a profile
+    written before the term (the vector without its last `terms_after` floats, the file without the key) loads
+    with the term at 0."""
+    zero = _zero_like(getattr(model, field))
+    assert CostModel.from_vector(model.to_vector()) == model
+    assert getattr(CostModel.from_vector(model.to_vector()[:-terms_after]), field) == zero
+    path = tmp_path / "p.budget.json"
+    save_profile(path, model, AcceptanceModel(4))
+    assert load_profile(path, 4)[0] == model
+    raw = json.loads(path.read_text())
+    del raw["cost_model"][field]
+    path.write_text(json.dumps(raw))
+    assert getattr(load_profile(path, 4)[0], field) == zero
+
+
+def _zero_like(value: float | tuple[float, ...]) -> float | tuple[float, ...]:
+    return tuple(0.0 for _ in value) if isinstance(value, tuple) else 0.0
+
+
 def test_linear_cost_is_recovered():
     model = fit_cost_model(_samples(lambda n, b: 0.002 + 0.0003 * n, _draft))
     assert model is not None and model.fit_error < 0.05
@@ -148,15 +168,7 @@ def test_tree_drafting_is_priced_apart_from_chain_drafting_and_travels(tmp_path)
     chains = fit_cost_model([s for s in samples if not s.tree_drafted])
     assert chains is not None and chains.tree_draft_terms == pytest.approx((0.0, 0.0), abs=1e-6)
     # Transport: the vector and the profile file; older vectors and profiles load without the term.
-    assert CostModel.from_vector(model.to_vector()) == model
-    assert CostModel.from_vector(model.to_vector()[:-5]).tree_draft_terms == (0.0, 0.0)
-    path = tmp_path / "p.budget.json"
-    save_profile(path, model, AcceptanceModel(4))
-    assert load_profile(path, 4)[0] == model
-    raw = json.loads(path.read_text())
-    del raw["cost_model"]["tree_draft_terms"]
-    path.write_text(json.dumps(raw))
-    assert load_profile(path, 4)[0].tree_draft_terms == (0.0, 0.0)
+    _assert_term_travels(tmp_path, model, "tree_draft_terms", terms_after=5)
 
 
 def _draft_first_pass(batch, depth):
@@ -205,15 +217,7 @@ def test_the_chained_loops_entry_is_priced_apart_from_the_per_depth_slope(tmp_pa
     # Without the loop's terms the per-depth line prices depth 2 below its steps (the bias the terms remove).
     linear = dataclasses.replace(model, loop_terms=(0.0, 0.0))
     assert linear.draft_seconds(32, 2) < 0.95 * _draft_with_loop(32, 2)
-    assert CostModel.from_vector(model.to_vector()) == model
-    assert CostModel.from_vector(model.to_vector()[:-3]).loop_terms == (0.0, 0.0)  # a vector from before the terms
-    path = tmp_path / "p.budget.json"
-    save_profile(path, model, AcceptanceModel(4))
-    assert load_profile(path, 4)[0] == model
-    raw = json.loads(path.read_text())
-    del raw["cost_model"]["loop_terms"]  # a profile written before the terms
-    path.write_text(json.dumps(raw))
-    assert load_profile(path, 4)[0].loop_terms == (0.0, 0.0)
+    _assert_term_travels(tmp_path, model, "loop_terms", terms_after=3)
     # Steps that never draft past depth 1 leave the terms at 0.
     shallow = fit_cost_model([x for x in samples if x.draft_depth <= 1])
     assert shallow is not None and shallow.loop_terms == (0.0, 0.0)
@@ -262,15 +266,7 @@ def test_joining_requests_prompt_rows_are_priced_apart_from_decode_drafting(tmp_
     plain_only = fit_cost_model([x for x in samples if x.draft_depth == 0])
     assert plain_only is not None and plain_only.prompt_row_s == 0.0
     # Transport: the vector and the profile file; older vectors and profiles load without the term.
-    assert CostModel.from_vector(model.to_vector()) == model
-    assert CostModel.from_vector(model.to_vector()[:-1]).prompt_row_s == 0.0
-    path = tmp_path / "p.budget.json"
-    save_profile(path, model, AcceptanceModel(4))
-    assert load_profile(path, 4)[0] == model
-    raw = json.loads(path.read_text())
-    del raw["cost_model"]["prompt_row_s"]
-    path.write_text(json.dumps(raw))
-    assert load_profile(path, 4)[0].prompt_row_s == 0.0
+    _assert_term_travels(tmp_path, model, "prompt_row_s", terms_after=1)
 
 
 def _deferring_samples(h: float, n=400, seed=3, noise=0.02):
@@ -577,15 +573,7 @@ def test_samples_without_a_context_fit_no_context_term():
 def test_a_context_model_travels_and_older_vectors_and_profiles_load_without_it(tmp_path):
     model = fit_cost_model(_context_samples(2.7e-6))
     assert model is not None
-    assert CostModel.from_vector(model.to_vector()) == model
-    assert CostModel.from_vector(model.to_vector()[:-6]).context_s == 0.0  # a vector from before the term
-    path = tmp_path / "p.budget.json"
-    save_profile(path, model, AcceptanceModel(4))
-    assert load_profile(path, 4)[0] == model
-    raw = json.loads(path.read_text())
-    del raw["cost_model"]["context_s"]  # a profile written before the term
-    path.write_text(json.dumps(raw))
-    assert load_profile(path, 4)[0].context_s == 0.0
+    _assert_term_travels(tmp_path, model, "context_s", terms_after=6)
 
 
 def test_model_change_is_the_median_relative_move_of_steady_step_prices():

@@ -181,6 +181,14 @@ class EchoSettings(BaseModel):
         "step). Default 1: measured 4 % faster at batch 64 on the testbed (5 of 6 paired rounds), the same at "
         "batch 4 and 16, acceptance unchanged (docs/benchmarks.md).",
     )
+    prompt_head_window: int = Field(
+        default=0,
+        ge=0,
+        description="vLLM: the draft head's first pass runs over only each joining request's this many newest "
+        "prompt rows (its chunk of a prefill); older prompt positions leave the head's KV unwritten (drafts may get "
+        "worse, output cannot change), so a step that admits requests does not pay the head for whole prompts. "
+        "0 = every prompt row (vLLM's behaviour).",
+    )
     fault_limit: int = Field(
         default=8,
         ge=1,

@@ -66,6 +66,7 @@ from echo_vllm.vllm import instance_attrs, prom_metrics
 from echo_vllm.vllm import spec as echo_spec
 from echo_vllm.vllm.deferred_head import DeferredHeadRows, HeadRows, request_of_rows, valid_rows
 from echo_vllm.vllm.faults import guard_from_env
+from echo_vllm.vllm.prompt_head_rows import prompt_tail_plan
 from echo_vllm.vllm.stats_log import format_startup_line, format_stats_line
 from echo_vllm.vllm.step_log import StepLogWriter, StepRecord
 from echo_vllm.vllm.tp_share import broadcast_from_rank0
@@ -257,6 +258,7 @@ class EchoProposer(EagleProposer):
         self._defer_head_now = False  # set by _draft on a plain step, read by set_inputs_first_pass
         self._verified_in_forward = 0  # draft tokens the step's target forward verified (set by the feedback)
         self._merged_rows = 0  # deferred head rows merged into this step's first pass (its cost sample)
+        self.prompt_rows_cut = 0  # prompt rows the head's first pass left out (`prompt_head_window`), in total
         self._head_keys: dict[str, int] = {}  # request id -> key of its kept head rows (cleared at each merge)
         self._no_merge = os.environ.get(DEFERRED_HEAD_NO_MERGE_ENV) == "1"
         self._force_plain = int(os.environ.get(FORCE_PLAIN_ENV) or 0)
@@ -556,6 +558,7 @@ class EchoProposer(EagleProposer):
             self._last_draft_probs = None  # as vLLM's propose starts: no draft of this step has probabilities
             batch = kwargs["common_attn_metadata"].batch_size()
             return torch.empty((batch, 0), dtype=torch.int64, device=self._depth.device)
+        self._cut_prompt_rows(kwargs)
         try:
             return super().propose(depth, *args, **kwargs)
         except _DraftingDone:
@@ -669,6 +672,47 @@ class EchoProposer(EagleProposer):
         )
         kept.append(rows, covers=int(positions.shape[0]))
         return True
+
+    def _cut_prompt_rows(self, kwargs: dict) -> None:
+        """`prompt_head_window` W: the first pass runs only each prefilling request's W newest rows
+        (`prompt_tail_plan`); the target's rows, their sample indices and the attention metadata are cut alike,
+        before vLLM's fc over the auxiliary hidden states. Left alone where the first pass is not the plain EAGLE
+        one (extra input slots, M-RoPE, multimodal embeddings) or the runner gives no `is_prefilling`."""
+        window = self.echo_settings.prompt_head_window
+        cad = kwargs.get("common_attn_metadata")
+        if window <= 0 or cad is None or getattr(cad, "is_prefilling", None) is None:
+            return
+        if self.needs_extra_input_slots or self.uses_mrope or kwargs.get("mm_embed_inputs") is not None:
+            return
+        tokens, positions, hidden = (
+            kwargs.get(k) for k in ("target_token_ids", "target_positions", "target_hidden_states")
+        )
+        if not all(isinstance(t, torch.Tensor) for t in (tokens, positions, hidden)) or positions.dim() != 1:
+            return
+        plan = prompt_tail_plan(cad.query_start_loc_cpu, cad.is_prefilling.cpu(), window, int(tokens.shape[0]))
+        if plan is None:
+            return
+        keep = plan.keep.to(tokens.device, non_blocking=True)
+        kwargs["target_token_ids"] = tokens[keep]
+        kwargs["target_positions"] = positions[keep]
+        kwargs["target_hidden_states"] = hidden[keep]
+        sample = kwargs.get("token_indices_to_sample")
+        if sample is not None:  # one index per request, each inside its request's kept tail (its last valid row)
+            batch = cad.batch_size()
+            shift = plan.shift.to(sample.device, non_blocking=True).to(sample.dtype)
+            kwargs["token_indices_to_sample"] = torch.cat([sample[:batch] - shift, sample[batch:]])
+        qsl = plan.query_start_loc
+        kwargs["common_attn_metadata"] = cad.replace(
+            query_start_loc=qsl.to(cad.query_start_loc.device, non_blocking=True),
+            query_start_loc_cpu=qsl,
+            num_actual_tokens=int(plan.keep.shape[0]),
+            max_query_len=plan.max_query_len,
+            slot_mapping=cad.slot_mapping[keep],
+            positions=None if cad.positions is None else cad.positions[keep],
+            _num_computed_tokens_cache=None,
+            _token_to_req_indices_cache=None,
+        )
+        self.prompt_rows_cut += plan.num_cut
 
     def _first_pass_rows(self, num_tokens: int, indices: torch.Tensor, cad: Any, valid_only: bool) -> HeadRows:
         """This step's head rows from the buffers set_inputs_first_pass just wrote (valid_only: without the rows

@@ -680,7 +680,10 @@ class EchoProposer(EagleProposer):
         one (extra input slots, M-RoPE, multimodal embeddings) or the runner gives no `is_prefilling`."""
         window = self.echo_settings.prompt_head_window
         cad = kwargs.get("common_attn_metadata")
-        if window <= 0 or cad is None or getattr(cad, "is_prefilling", None) is None:
+        if window <= 0 or cad is None:
+            return
+        prefilling = self._prefilling(cad)
+        if prefilling is None:
             return
         if self.needs_extra_input_slots or self.uses_mrope or kwargs.get("mm_embed_inputs") is not None:
             return
@@ -689,7 +692,7 @@ class EchoProposer(EagleProposer):
         )
         if not all(isinstance(t, torch.Tensor) for t in (tokens, positions, hidden)) or positions.dim() != 1:
             return
-        plan = prompt_tail_plan(cad.query_start_loc_cpu, cad.is_prefilling.cpu(), window, int(tokens.shape[0]))
+        plan = prompt_tail_plan(cad.query_start_loc_cpu, prefilling, window, int(tokens.shape[0]))
         if plan is None:
             return
         keep = plan.keep.to(tokens.device, non_blocking=True)
@@ -713,6 +716,21 @@ class EchoProposer(EagleProposer):
             _token_to_req_indices_cache=None,
         )
         self.prompt_rows_cut += plan.num_cut
+
+    def _prefilling(self, cad: Any) -> torch.Tensor | None:
+        """[B] bool on the host: the step's requests whose rows are prompt tokens. The metadata's `is_prefilling`
+        where the runner sets it (vLLM's GPU runner), else the same test on the input batch's host counts (the
+        CPU runner's metadata has none): tokens computed before this step < prompt tokens."""
+        flags = getattr(cad, "is_prefilling", None)
+        if isinstance(flags, torch.Tensor):
+            return flags.cpu()
+        batch = getattr(self._runner, "input_batch", None)
+        computed = getattr(batch, "num_computed_tokens_cpu_tensor", None)
+        prompt = getattr(batch, "num_prompt_tokens_cpu_tensor", None)
+        if not isinstance(computed, torch.Tensor) or not isinstance(prompt, torch.Tensor):
+            return None
+        num = cad.batch_size()
+        return computed[:num] < prompt[:num]
 
     def _first_pass_rows(self, num_tokens: int, indices: torch.Tensor, cad: Any, valid_only: bool) -> HeadRows:
         """This step's head rows from the buffers set_inputs_first_pass just wrote (valid_only: without the rows
@@ -1422,6 +1440,7 @@ class EchoProposer(EagleProposer):
             "tree_chain_fallbacks": self.tree_chain_fallbacks,
             "tree_plan_mismatches": self.tree_plan_mismatches,
             "deferred_head": self.deferred_head.summary() if self.deferred_head is not None else None,
+            "prompt_rows_cut": self.prompt_rows_cut,  # prompt rows the head's first pass left out (prompt_head_window)
             "request_history": self.history.summary() if self.history is not None else None,
             "calibration": self.calibration_source,
             "sweet_spots": self.calibration.sweet_spots if self.calibration is not None else [],
@@ -1435,6 +1454,7 @@ class EchoProposer(EagleProposer):
         self._timed_steps = self._rest_timed_steps = 0
         if self.deferred_head is not None:
             self.deferred_head.reset_counters()
+        self.prompt_rows_cut = 0
 
     def format_stats(self) -> str:
         return format_stats_line(self.echo_stats())

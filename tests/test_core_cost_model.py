@@ -269,6 +269,14 @@ def test_joining_requests_prompt_rows_are_priced_apart_from_decode_drafting(tmp_
     _assert_term_travels(tmp_path, model, "prompt_row_s", terms_after=1)
 
 
+def test_prompt_rows_the_head_left_out_are_not_prompt_rows_of_the_sample():
+    # 64 decode rows, 16 verified drafts, 2 tree rows and 300 prompt rows, of which the head ran 8 (window 4, two
+    # joining requests): the drafting term prices the 8.
+    whole = StepSample(382, 64, 2, 0.05, 0.01, width=2, verified=16)
+    assert whole.prompt_rows == 300
+    assert dataclasses.replace(whole, head_cut=292).prompt_rows == 8
+
+
 def _deferring_samples(h: float, n=400, seed=3, noise=0.02):
     """A run with defer_plain_head: a plain step (depth 0) skips the head's first pass over its B rows, and the
     next drafting step's first pass carries them (merged = the rows of the plain steps since the last drafting

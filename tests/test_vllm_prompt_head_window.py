@@ -55,5 +55,8 @@ def test_the_head_cut_to_each_prompt_s_tail_changes_drafts_not_output(prompts, t
     # 16 HumanEval prompts of ~100+ tokens: most of every prompt is left out of the head's first pass.
     for result in (cut, trees):
         assert result["echo_stats"]["prompt_rows_cut"] > 16 * 50, result["echo_stats"]["prompt_rows_cut"]
+    # The step log's per-step count (the cost sample's) adds up to the total.
+    assert sum(s["head_cut"] for s in steps_cut) == cut["echo_stats"]["prompt_rows_cut"]
+    assert all(s["head_cut"] == 0 for s in steps_whole)
     hashes = [[s["selection_hash"] for s in steps] for steps in (steps_whole, steps_cut)]
     assert hashes[0] != hashes[1], "the cut changed nothing the head drafted"

@@ -107,12 +107,13 @@ class StepSample:
     merged: int = 0  # head rows of earlier plain steps merged into this step's first pass (defer_plain_head)
     context: int = 0  # tokens already in the KV cache of the step's requests, summed (0: not measured)
     tree_drafted: bool = False  # this step's drafter drafted trees (per-depth top-k siblings), not chains
+    head_cut: int = 0  # prompt rows this step's first pass left out (`prompt_head_window`)
 
     @property
     def prompt_rows(self) -> int:
         """Rows of the forward beyond the decode rows (one per request, the verified drafts, the tree rows): prompt
-        chunks of joining requests, which the draft head's first pass runs too."""
-        return max(0, self.num_tokens - self.batch - self.verified - self.width)
+        chunks of joining requests, which the draft head's first pass runs too (less those it left out)."""
+        return max(0, self.num_tokens - self.batch - self.verified - self.width - self.head_cut)
 
 
 class StepSamples:

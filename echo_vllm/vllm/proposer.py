@@ -259,6 +259,7 @@ class EchoProposer(EagleProposer):
         self._verified_in_forward = 0  # draft tokens the step's target forward verified (set by the feedback)
         self._merged_rows = 0  # deferred head rows merged into this step's first pass (its cost sample)
         self.prompt_rows_cut = 0  # prompt rows the head's first pass left out (`prompt_head_window`), in total
+        self._head_cut = 0  # ... in this step's first pass (its cost sample)
         self._head_keys: dict[str, int] = {}  # request id -> key of its kept head rows (cleared at each merge)
         self._no_merge = os.environ.get(DEFERRED_HEAD_NO_MERGE_ENV) == "1"
         self._force_plain = int(os.environ.get(FORCE_PLAIN_ENV) or 0)
@@ -522,6 +523,7 @@ class EchoProposer(EagleProposer):
                 self._last_times = (start - self._last_end, self._last_times[1])
             self._before_drafting(batch)
             self._merged_rows = 0
+            self._head_cut = 0
             drafts = self._draft(num_speculative_tokens, args, kwargs)
             drafted = time.perf_counter()
             if not isinstance(drafts, torch.Tensor) or drafts.dim() != 2:
@@ -677,7 +679,7 @@ class EchoProposer(EagleProposer):
         """`prompt_head_window` W: the first pass runs only each prefilling request's W newest rows
         (`prompt_tail_plan`); the target's rows, their sample indices and the attention metadata are cut alike,
         before vLLM's fc over the auxiliary hidden states. Left alone where the first pass is not the plain EAGLE
-        one (extra input slots, M-RoPE, multimodal embeddings) or the runner gives no `is_prefilling`."""
+        one (extra input slots, M-RoPE, multimodal embeddings) or no request is known to be prefilling."""
         window = self.echo_settings.prompt_head_window
         cad = kwargs.get("common_attn_metadata")
         if window <= 0 or cad is None:
@@ -690,7 +692,9 @@ class EchoProposer(EagleProposer):
         tokens, positions, hidden = (
             kwargs.get(k) for k in ("target_token_ids", "target_positions", "target_hidden_states")
         )
-        if not all(isinstance(t, torch.Tensor) for t in (tokens, positions, hidden)) or positions.dim() != 1:
+        if not isinstance(tokens, torch.Tensor) or not isinstance(hidden, torch.Tensor):
+            return
+        if not isinstance(positions, torch.Tensor) or positions.dim() != 1:
             return
         plan = prompt_tail_plan(cad.query_start_loc_cpu, prefilling, window, int(tokens.shape[0]))
         if plan is None:
@@ -716,6 +720,7 @@ class EchoProposer(EagleProposer):
             _token_to_req_indices_cache=None,
         )
         self.prompt_rows_cut += plan.num_cut
+        self._head_cut = plan.num_cut
 
     def _prefilling(self, cad: Any) -> torch.Tensor | None:
         """[B] bool on the host: the step's requests whose rows are prompt tokens. The metadata's `is_prefilling`
@@ -898,6 +903,7 @@ class EchoProposer(EagleProposer):
                 sample = StepSample(
                     num_tokens, batch, depth, rest_s, draft_s, self.forward_fix_rows, self._verified_in_forward,
                     self._merged_rows, self._step_context if self._cost_context else 0, self._tree_step,
+                    self._head_cut,
                 )  # fmt: skip
                 self.budget.add_sample(sample, self.warming_up)
         self._last_end = end
@@ -1398,6 +1404,7 @@ class EchoProposer(EagleProposer):
             "probe_rows": 0 if self._probe_rows is None else int(self._probe_rows.sum()),  # a partial probe's rows
             "tree_rows": self.forward_fix_rows,  # verified nodes off the spine in this step's forward (cost sample)
             "merged_rows": self._merged_rows,  # deferred head rows this step's first pass carried (cost sample)
+            "head_cut": self._head_cut,  # prompt rows its first pass left out (prompt_head_window; cost sample)
         }
         rounded: dict[str, Sequence[float | None]] = {}
         model_ms = None

@@ -15,12 +15,12 @@ from are what the warm-up left. Reporting only; no vLLM.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
 from echo_vllm.core.time_budget import TimeAwareBudget, level_counts
+from echo_vllm.vllm.step_log import read_step_log
 
 MEMORIES = ("tries", "steps")
 
@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--max-depth", type=int, default=4)
     parser.add_argument("--every", type=int, default=1, help="print every Nth verified step")
     args = parser.parse_args()
-    lines = [json.loads(text) for text in args.step_log.read_text().splitlines() if text.strip()]
+    lines = read_step_log(args.step_log)
     print("step batch depth  " + "  ".join(f"{m}: d1..d{args.max_depth}" for m in MEMORIES))
     for row in replay(lines, args.max_depth, args.every):
         rates = "  ".join(" ".join(f"{r:.2f}" for r in row[m]) for m in MEMORIES)

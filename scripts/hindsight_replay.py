@@ -17,11 +17,12 @@ showing through (ninth session: ~0.22 ms per draft misaligned, ~0 aligned). An e
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+from echo_vllm.vllm.step_log import read_step_log
 
 
 def main() -> int:
@@ -37,7 +38,7 @@ def main() -> int:
     parser.add_argument("--max-depth", type=int, default=4)
     parser.add_argument("--profile", type=Path, default=None, help="a budget profile instead of a fit on the log")
     args = parser.parse_args()
-    rows = [json.loads(line) for line in args.step_log.read_text().splitlines() if line.strip()]
+    rows = read_step_log(args.step_log)
     rows = [r for r in rows if r.get("rank", 0) == 0]
     if args.profile is not None:
         cost = load_cost_model(args.profile)

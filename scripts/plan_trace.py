@@ -29,6 +29,8 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from echo_vllm.vllm.step_log import read_step_log
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from policy_blocks import step_kind as kind_of  # the same kinds as the policy-block view
 
@@ -87,7 +89,7 @@ def main() -> None:
     parser.add_argument("step_log", type=Path)
     parser.add_argument("--last", type=int, default=0, help="keep the last N lines (0: every auto-phase line)")
     args = parser.parse_args()
-    lines = [json.loads(x) for x in args.step_log.read_text().splitlines() if x.strip()]
+    lines = read_step_log(args.step_log)
     lines = lines[-args.last :] if args.last > 0 else [r for r in lines if r.get("phase") == "auto"]
     plan = plan_string(lines)
     for start in range(0, len(plan), 64):

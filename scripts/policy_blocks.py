@@ -16,10 +16,11 @@ of the first policy (median, min-max): the paired view. Reporting only; plain Py
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
+
+from echo_vllm.vllm.step_log import read_step_log
 
 
 def step_kind(line: dict) -> str:
@@ -70,7 +71,7 @@ def main() -> None:
     rows = []
     kinds: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0, 0.0]))
     for path in args.step_logs:
-        lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        lines = read_step_log(path)
         for p, b, e, s, kind in decode_steps(lines, args.with_prompts):
             rows.append((p, f"{path}:{b}", e, s))
             acc = kinds[p][kind]

@@ -30,11 +30,7 @@ from pathlib import Path
 
 from echo_vllm.core.budget_profile import load_cost_model
 from echo_vllm.core.cost_model import CostModel, StepSample, fit_cost_model
-
-
-def load_lines(path: Path, last: int = 0) -> list[dict]:
-    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    return lines[-last:] if last > 0 else lines
+from echo_vllm.vllm.step_log import read_step_log
 
 
 def samples_from_log(lines: list[dict]) -> list[StepSample]:
@@ -112,7 +108,7 @@ def main() -> None:
     parser.add_argument("--last", type=int, default=0, help="keep the last N lines (0: all)")
     parser.add_argument("--profile", type=Path, help="a budget_profile.json to price the same steps with")
     args = parser.parse_args()
-    samples = samples_from_log(load_lines(args.step_log, args.last))
+    samples = samples_from_log(read_step_log(args.step_log, args.last))
     model = fit_cost_model(samples)
     if model is None:
         raise SystemExit(f"{args.step_log}: fewer than 4 cost samples; nothing to fit")

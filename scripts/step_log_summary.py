@@ -14,10 +14,11 @@ drafts. Reporting only; plain Python, no torch.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
+
+from echo_vllm.vllm.step_log import read_step_log
 
 
 def main() -> None:
@@ -26,7 +27,7 @@ def main() -> None:
     parser.add_argument("--bucket", type=int, default=16, help="width of the extra-token buckets")
     parser.add_argument("--batch-bucket", type=int, default=1, help="width of the batch-size buckets")
     args = parser.parse_args()
-    lines = [json.loads(line) for line in args.step_log.read_text().splitlines() if line.strip()]
+    lines = read_step_log(args.step_log)
     auto = [r for r in lines if r.get("phase") == "auto"]
     print(f"{len(lines)} lines, {len(auto)} in phase auto")
     planned = Counter(r["draft_depth"] for r in auto)

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from echo_vllm.bench.oracle import oracle_bound, oracle_for_run, read_step_log
+from echo_vllm.bench.oracle import oracle_bound, oracle_for_run
+from echo_vllm.vllm.step_log import read_step_log
 
 
 class LinearCost:
@@ -66,7 +67,7 @@ def test_step_log_from_the_timed_offset_and_rank_0(tmp_path):
     warm = json.dumps(_step(1, 5, 4, [4], rank=0)) + "\n"
     timed = [_step(2, 4, 1, [1, 0], rank=0), _step(2, 4, 1, [1, 0], rank=1), _step(2, 3, 1, [0, 1], rank=0)]
     log.write_text(warm + "".join(json.dumps(r) + "\n" for r in timed))
-    records = read_step_log(log, offset=len(warm.encode()))
+    records = read_step_log(log, offset=len(warm.encode()), rank=0)
     assert [r["num_tokens"] for r in records] == [4, 3]
 
 

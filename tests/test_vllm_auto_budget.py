@@ -7,20 +7,18 @@ same calibration and profile files loads both and goes straight to the time-awar
 
 from __future__ import annotations
 
-import json
 import types
 
 import pytest
 import torch
-from testbed_fixture import shipped_testbed
+from engine_jobs import DEPTH, no_spec, run_echo, target_job
 
 from echo_vllm.bench.datasets import humaneval_prompts, mtbench_prompts
-from echo_vllm.vllm.offline import run_in_subprocess
+from echo_vllm.vllm.step_log import read_step_log
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 MAX_TOKENS = 40
-DEPTH = 4
 ECHO = {"k_max": "auto", "warmup_steps": 8, "profile_steps": 8, "min_samples_per_class": 2}
 
 
@@ -35,21 +33,11 @@ def files(tmp_path_factory):
     return root / "calibration.json", root / "calibration.budget.json"
 
 
-def _steps(path):
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _run(prompts, max_num_seqs, echo, step_log=None):
-    root = shipped_testbed()
-    job = {"model": str(root / "target"), "prompts": prompts, "max_tokens": MAX_TOKENS, "max_num_seqs": max_num_seqs}
-    if echo is not None:
-        job["speculative_config"] = {
-            "method": "echo",
-            "model": str(root / "eagle3"),
-            "num_speculative_tokens": DEPTH,
-            "echo": echo,
-        }
-    return run_in_subprocess(job, extra_env={"ECHO_VLLM_STEP_LOG": str(step_log)} if step_log else None)
+def _run(prompts, max_num_seqs, echo, step_log=None, env=None):
+    job = target_job(prompts, max_tokens=MAX_TOKENS, max_num_seqs=max_num_seqs)
+    if echo is None:
+        return no_spec(job)
+    return run_echo(job, echo, step_log, extra_env=env)[0]
 
 
 # Trees (the default top_k 4) at batch 1 and 32, chains at batch 8 (without and with the request history).
@@ -74,7 +62,7 @@ def test_auto_greedy_identical_through_every_phase(prompts, tmp_path, max_num_se
     spec = echo["spec"]
     lower = max(echo["num_generated"] - spec["num_accepted_tokens"], len(used) + spec["num_drafts"])
     assert lower <= echo["request_steps"] < echo["num_generated"]
-    steps = _steps(step_log)
+    steps = read_step_log(step_log)
     phases = [s["phase"] for s in steps]
     assert phases[0] == "warmup" and "profile" in phases and phases[-1] == "auto", sorted(set(phases))
     assert phases.index("profile") < phases.index("auto")
@@ -134,7 +122,7 @@ def test_profile_is_saved_and_loaded(prompts, files, tmp_path):
     assert calibration.is_file() and profile.is_file(), "calibration and budget profile were not saved"
     second = _run(used, 8, settings, second_log)
     assert first["token_ids"] == baseline["token_ids"] == second["token_ids"]
-    phases = {s["phase"] for s in _steps(second_log)}
+    phases = {s["phase"] for s in read_step_log(second_log)}
     assert phases == {"auto"}, f"with both files loaded there is no warm-up or profile; got {phases}"
 
 
@@ -292,14 +280,9 @@ def test_fused_chain_step_and_its_torch_twin_select_alike_end_to_end(prompts, tm
     runs = {}
     for name, env in (("fused", {}), ("torch", {"ECHO_VLLM_CHAIN_TORCH": "1"})):
         log = tmp_path / f"{name}.jsonl"
-        root = shipped_testbed()
-        job = {"model": str(root / "target"), "prompts": used, "max_tokens": MAX_TOKENS, "max_num_seqs": 8}
-        job["speculative_config"] = {
-            "method": "echo", "model": str(root / "eagle3"), "num_speculative_tokens": DEPTH, "echo": echo,
-        }  # fmt: skip
-        result = run_in_subprocess(job, extra_env={**env, "ECHO_VLLM_STEP_LOG": str(log)})
+        result = _run(used, 8, echo, log, env)
         assert result["token_ids"] == baseline["token_ids"], f"{name}: differs from no-spec"
-        runs[name] = _steps(log)
+        runs[name] = read_step_log(log)
     fused, torch_path = runs["fused"], runs["torch"]
     assert [s["selection_hash"] for s in fused] == [s["selection_hash"] for s in torch_path]
     assert any(s["calibrated"] and 0 < s["sum"] < s["batch"] * DEPTH for s in fused), "the budget never cut"

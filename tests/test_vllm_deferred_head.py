@@ -11,17 +11,12 @@ can fail; greedy output stays identical to no-spec in every variant (verificatio
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from testbed_fixture import shipped_testbed
+from engine_jobs import no_spec, run_echo, target_job
 
 from echo_vllm.bench.datasets import humaneval_prompts
-from echo_vllm.vllm.offline import run_in_subprocess
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
-
-DEPTH = 4
 
 
 @pytest.fixture(scope="module")
@@ -30,20 +25,10 @@ def prompts():
 
 
 def _run(prompts, echo, tmp_path, name, env=None):
-    root = shipped_testbed()
-    job = {"model": str(root / "target"), "prompts": prompts, "max_tokens": 40, "max_num_seqs": 8}
-    log = None
-    extra = dict(env or {})
-    if echo is not None:
-        log = tmp_path / f"{name}.jsonl"
-        extra["ECHO_VLLM_STEP_LOG"] = str(log)
-        job["echo_stats"] = True
-        job["speculative_config"] = {
-            "method": "echo", "model": str(root / "eagle3"), "num_speculative_tokens": DEPTH, "echo": echo,
-        }  # fmt: skip
-    result = run_in_subprocess(job, extra_env=extra)
-    steps = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log else []
-    return result, steps
+    job = target_job(prompts, max_tokens=40, max_num_seqs=8)
+    if echo is None:
+        return no_spec(job), []
+    return run_echo(job, echo, tmp_path / f"{name}.jsonl", extra_env=env)
 
 
 @pytest.mark.parametrize("top_k", [1, 4])

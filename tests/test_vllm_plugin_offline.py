@@ -8,18 +8,14 @@ The calibration file written after warm-up by the first run is loaded by a later
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from testbed_fixture import shipped_testbed
+from engine_jobs import DEPTH, no_spec, run_echo, target_job
 
 from echo_vllm.bench.datasets import humaneval_prompts, mtbench_prompts
-from echo_vllm.vllm.offline import run_in_subprocess
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 MAX_TOKENS = 32
-DEPTH = 4
 TOP_K = 4  # the default
 # (max_num_seqs, K_max): K_max < max_num_seqs * DEPTH so the budget binds whenever the batch is full.
 CASES = [(1, 2), (8, 6), (32, 12)]
@@ -35,34 +31,17 @@ def calibration_file(tmp_path_factory):
     return tmp_path_factory.mktemp("echo_cal") / "calibration.json"
 
 
-def _read_steps(path):
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 @pytest.mark.parametrize("max_num_seqs, k_max", CASES, ids=[f"seqs{s}-kmax{k}" for s, k in CASES])
 def test_echo_greedy_identical_and_budget_bounded(prompts, calibration_file, tmp_path, max_num_seqs, k_max):
-    root = shipped_testbed()
-    job = {"model": str(root / "target"), "prompts": prompts, "max_tokens": MAX_TOKENS, "max_num_seqs": max_num_seqs}
-    baseline = run_in_subprocess(job)
+    job = target_job(prompts, max_tokens=MAX_TOKENS, max_num_seqs=max_num_seqs)
+    baseline = no_spec(job)
     loads_calibration = calibration_file.exists()
-    step_log = tmp_path / "steps.jsonl"
-    echo = run_in_subprocess(
-        {
-            **job,
-            "speculative_config": {
-                "method": "echo",
-                "model": str(root / "eagle3"),
-                "num_speculative_tokens": DEPTH,
-                "echo": {"k_max": k_max, "warmup_steps": 8, "calibration_file": str(calibration_file)},
-            },
-        },
-        extra_env={"ECHO_VLLM_STEP_LOG": str(step_log)},
-    )
+    settings = {"k_max": k_max, "warmup_steps": 8, "calibration_file": str(calibration_file)}
+    echo, steps = run_echo(job, settings, tmp_path / "steps.jsonl")
     assert len(baseline["token_ids"]) == len(prompts) == 50
     mismatches = [i for i, (a, b) in enumerate(zip(baseline["token_ids"], echo["token_ids"])) if a != b]
     assert not mismatches, f"prompts {mismatches} differ between ECHO and no-spec"
 
-    steps = _read_steps(step_log)
     assert steps, "the ECHO proposer never ran"
     over = [s for s in steps if s["sum"] > k_max or sum(s["counts"]) != s["sum"] or s["k_max"] != k_max]
     assert not over, over[:3]
@@ -99,26 +78,13 @@ def test_surplus_tail_spends_unused_budget_on_truncated_chains(prompts, tmp_path
         num_neg=[10] * DEPTH,
         min_samples_per_class=1,
     ).save(cal)
-    head, target = shipped_testbed() / "eagle3", shipped_testbed() / "target"
-    subset = prompts[:8]
-    base = {"model": str(target), "prompts": subset, "max_tokens": MAX_TOKENS, "max_num_seqs": 1}
-    baseline = run_in_subprocess({**base, "speculative_config": None})
-    step_log = tmp_path / "steps.jsonl"
-    echo = run_in_subprocess(
-        {
-            **base,
-            "speculative_config": {
-                "method": "echo",
-                "model": str(head),
-                "num_speculative_tokens": DEPTH,
-                "echo": {"k_max": 16, "top_k": 1, "calibration_file": str(cal), "surplus_tail": surplus_tail},
-            },
-        },
-        extra_env={"ECHO_VLLM_STEP_LOG": str(step_log)},
-    )
+    base = target_job(prompts[:8], max_tokens=MAX_TOKENS, max_num_seqs=1)
+    baseline = no_spec(base)
+    settings = {"k_max": 16, "top_k": 1, "calibration_file": str(cal), "surplus_tail": surplus_tail}
+    echo, steps = run_echo(base, settings, tmp_path / "steps.jsonl")
     assert echo["token_ids"] == baseline["token_ids"]
-    counts = [c for s in _read_steps(step_log) for c in s["counts"]]
-    assert counts and all(s["calibrated"] for s in _read_steps(step_log))
+    counts = [c for s in steps for c in s["counts"]]
+    assert counts and all(s["calibrated"] for s in steps)
     short = [c for c in counts if 0 < c < DEPTH]
     if surplus_tail:
         assert not short, f"chains were cut although the budget never bound: {short[:5]}"
@@ -132,26 +98,13 @@ def test_echo_greedy_identical_on_the_avx2_build(prompts, tmp_path):
     On an AVX-512 machine this is the only test of that build; on an AVX2-only machine it repeats the native run."""
     from echo_vllm.vllm.cpu_isa import emulation_env
 
-    root = shipped_testbed()
     avx2 = emulation_env("avx2")
-    job = {"model": str(root / "target"), "prompts": prompts[:16], "max_tokens": MAX_TOKENS, "max_num_seqs": 8}
-    baseline = run_in_subprocess(job, extra_env=avx2)
-    step_log = tmp_path / "steps.jsonl"
-    echo = run_in_subprocess(
-        {
-            **job,
-            "speculative_config": {
-                "method": "echo",
-                "model": str(root / "eagle3"),
-                "num_speculative_tokens": DEPTH,
-                "echo": {"k_max": 6, "warmup_steps": 8, "min_samples_per_class": 2},
-            },
-        },
-        extra_env={**avx2, "ECHO_VLLM_STEP_LOG": str(step_log)},
-    )
+    job = target_job(prompts[:16], max_tokens=MAX_TOKENS, max_num_seqs=8)
+    baseline = no_spec(job, avx2)
+    settings = {"k_max": 6, "warmup_steps": 8, "min_samples_per_class": 2}
+    echo, steps = run_echo(job, settings, tmp_path / "steps.jsonl", extra_env=avx2)
     assert baseline["vllm_extensions"] == echo["vllm_extensions"] == ["_C_AVX2"]
     mismatches = [i for i, (a, b) in enumerate(zip(baseline["token_ids"], echo["token_ids"])) if a != b]
     assert not mismatches, f"prompts {mismatches} differ between ECHO and no-spec on the AVX2 build"
-    steps = _read_steps(step_log)
     assert any(s["sum"] == 6 and s["batch"] * DEPTH > 6 for s in steps), "K_max never bound"
     assert echo["spec"]["num_drafts"] > 0

@@ -74,3 +74,17 @@ def test_a_record_is_a_snapshot_of_the_selection(tmp_path):
     ragged[0].clear()  # what the scheduler may do with its lists after the step
     writer.flush()
     assert _lines(path)[0]["selection_hash"] == expected
+
+
+def test_read_step_log_reads_what_the_writer_wrote(tmp_path):
+    path = tmp_path / "steps.jsonl"
+    writer = StepLogWriter(str(path), flush_seconds=0.0)
+    for step in range(4):
+        writer.append(_record(step, [[step, step + 1]]))
+    writer.flush()
+    with path.open("a") as handle:
+        handle.write("\n")  # a blank line (a flush cut short) is no step
+    lines = step_log.read_step_log(path)
+    assert [r["step"] for r in lines] == [0, 1, 2, 3] and lines[2]["counts"] == [2]
+    assert [r["step"] for r in step_log.read_step_log(str(path), last=2)] == [2, 3]  # a path as text, the newest 2
+    assert step_log.read_step_log(path, last=0) == lines

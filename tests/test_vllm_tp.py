@@ -17,7 +17,6 @@ the ECHO run resets it to "auto" so that the plugin's own binding (EchoEngineCon
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
@@ -26,6 +25,7 @@ from testbed_fixture import shipped_testbed
 from echo_vllm.bench.datasets import humaneval_prompts, mtbench_prompts
 from echo_vllm.runtime_env import THREADS_BIND_ENV
 from echo_vllm.vllm.offline import run_in_subprocess
+from echo_vllm.vllm.step_log import read_step_log
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -35,10 +35,6 @@ DEPTH = 4
 K_MAX = 8
 MAX_NUM_SEQS = 8
 ECHO = {"k_max": K_MAX, "warmup_steps": 8, "min_samples_per_class": 2}
-
-
-def _read_steps(path):
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _job(prompts):
@@ -83,7 +79,7 @@ def test_echo_tp2_matches_no_spec_and_ranks_agree(tmp_path):
 
     paths = [tmp_path / f"steps-{rank}.jsonl" for rank in range(TP)]
     assert all(p.exists() for p in paths), f"missing per-rank step logs: {[p.name for p in paths if not p.exists()]}"
-    ranks = [_read_steps(p) for p in paths]
+    ranks = [read_step_log(p) for p in paths]
     assert len(ranks[0]) > 0 and all(len(r) == len(ranks[0]) for r in ranks), [len(r) for r in ranks]
     assert all(s["rank"] == rank for rank, steps in enumerate(ranks) for s in steps)
     keys = ("step", "sum", "batch", "counts", "selection_hash", "calibrated")
@@ -128,7 +124,7 @@ def test_echo_auto_tp2_ranks_decide_identically(tmp_path):
         extra_env={"ECHO_VLLM_STEP_LOG": str(step_log), THREADS_BIND_ENV: "auto"},
     )
     assert echo["token_ids"] == baseline["token_ids"], "ECHO auto at TP=2 differs from no-spec"
-    ranks = [_read_steps(tmp_path / f"auto-{rank}.jsonl") for rank in range(TP)]
+    ranks = [read_step_log(tmp_path / f"auto-{rank}.jsonl") for rank in range(TP)]
     assert len(ranks[0]) > 0 and len(ranks[1]) == len(ranks[0])
     keys = ("step", "phase", "k_cap", "draft_depth", "drafted_depth", "sum", "counts", "selection_hash")
     diverged = [

@@ -11,9 +11,8 @@ drafts with the KV compaction switched off must break identity: the tests can fa
 
 from __future__ import annotations
 
-import json
-
 import pytest
+from engine_jobs import DEPTH, no_spec, run_echo, target_job
 from testbed_fixture import shipped_testbed
 
 from echo_vllm.bench.datasets import humaneval_prompts, mtbench_prompts
@@ -21,7 +20,6 @@ from echo_vllm.vllm.offline import run_in_subprocess
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-DEPTH = 4
 MAX_TOKENS = 32
 
 
@@ -33,43 +31,16 @@ def prompts():
 @pytest.fixture(scope="module")
 def baselines(prompts):
     """No-spec outputs per max_num_seqs (greedy output does not depend on it, but each is its own run)."""
-    root = shipped_testbed()
-    cache = {}
 
     def get(max_num_seqs: int) -> list[list[int]]:
-        if max_num_seqs not in cache:
-            job = {"model": str(root / "target"), "prompts": prompts, "max_tokens": MAX_TOKENS}
-            cache[max_num_seqs] = run_in_subprocess({**job, "max_num_seqs": max_num_seqs})["token_ids"]
-        return cache[max_num_seqs]
+        return no_spec(target_job(prompts, max_tokens=MAX_TOKENS, max_num_seqs=max_num_seqs))["token_ids"]
 
     return get
 
 
-def _steps(path):
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _echo(prompts, tmp_path, max_num_seqs, echo, extra_env=None, **job):
-    root = shipped_testbed()
-    step_log = tmp_path / "steps.jsonl"
-    result = run_in_subprocess(
-        {
-            "model": str(root / "target"),
-            "prompts": prompts,
-            "max_tokens": MAX_TOKENS,
-            "max_num_seqs": max_num_seqs,
-            "echo_stats": True,
-            "speculative_config": {
-                "method": "echo",
-                "model": str(root / "eagle3"),
-                "num_speculative_tokens": DEPTH,
-                "echo": echo,
-            },
-            **job,
-        },
-        extra_env={"ECHO_VLLM_STEP_LOG": str(step_log), **(extra_env or {})},
-    )
-    return result, _steps(step_log)
+    base = target_job(prompts, max_tokens=MAX_TOKENS, max_num_seqs=max_num_seqs, **job)
+    return run_echo(base, echo, tmp_path / "steps.jsonl", extra_env=extra_env)
 
 
 def _mismatches(a, b):

@@ -16,11 +16,12 @@ tokens/s over the oracle's for the same emitted tokens (1.0 = ECHO wasted nothin
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+from echo_vllm.vllm.step_log import read_step_log
 
 # The step-log keys the bound needs (written by EchoProposer once the adaptive budget is in; older logs lack them).
 STEP_KEYS = ("batch", "num_tokens", "draft_depth", "accepted")
@@ -80,15 +81,6 @@ def oracle_bound(records: Iterable[Mapping[str, Any]], cost: StepCost) -> Oracle
     return OracleBound(oracle / policy, oracle, policy, steps)
 
 
-def read_step_log(path: str | Path, offset: int = 0, rank: int = 0) -> list[dict[str, Any]]:
-    """The records of `rank` from byte `offset` on (the timed part starts where the warm-up's lines end)."""
-    with open(path, "rb") as handle:
-        handle.seek(offset)
-        lines = handle.read().decode("utf-8").splitlines()
-    records = [json.loads(line) for line in lines if line.strip()]
-    return [r for r in records if int(r.get("rank", 0)) == rank]
-
-
 def load_cost_model(path: str | Path) -> StepCost:
     """ECHO's budget profile; imported lazily (the cost model lives in the core, which needs torch)."""
     from echo_vllm.core.budget_profile import load_cost_model
@@ -106,4 +98,4 @@ def oracle_for_run(step_log: str | Path | None, offset: int, profile: str | Path
         cost = load_cost_model(profile)
     except Exception as err:  # noqa: BLE001 - a corrupt profile is a reported reason, not a failed benchmark
         return unavailable(f"budget profile {profile} does not load: {err}")
-    return oracle_bound(read_step_log(step_log, offset), cost)
+    return oracle_bound(read_step_log(step_log, offset=offset, rank=0), cost)

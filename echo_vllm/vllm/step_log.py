@@ -21,6 +21,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 FLUSH_SECONDS_ENV = "ECHO_VLLM_STEP_LOG_FLUSH_S"  # seconds between flushes by time; 0 = none (benchmarks)
@@ -90,3 +91,16 @@ def flush_all() -> int:
 
 
 atexit.register(flush_all)
+
+
+def read_step_log(path: str | Path, last: int = 0, *, offset: int = 0, rank: int | None = None) -> list[dict[str, Any]]:
+    """The log's lines as dicts, in step order: from byte `offset` on (where a benchmark's timed generate starts,
+    its warm-up's lines before it), only `rank`'s lines if given (TP ranks share one log), then the newest `last`
+    if > 0. Blank lines (a flush cut by a kill) are skipped."""
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        text = handle.read().decode("utf-8")
+    lines = [json.loads(line) for line in text.splitlines() if line.strip()]
+    if rank is not None:
+        lines = [line for line in lines if int(line.get("rank", 0)) == rank]
+    return lines[-last:] if last > 0 else lines

@@ -189,7 +189,17 @@ class EchoSettings(BaseModel):
         "worse, output cannot change), so a step that admits requests does not pay the head for whole prompts. "
         "0 = every prompt row (vLLM's behaviour; the default, because a head trained on long contexts may lose "
         "acceptance to the unwritten KV: compare `accepted_per_verified_draft` in echo_stats before keeping it). "
-        "On the testbed 4 measured ~4 % faster at batch 16 and 64 (docs/benchmarks.md).",
+        "On the testbed 4 measured ~4 % faster at batch 16 to 64 but ~5 % slower at batch 8 (its drafts got "
+        "shallower there) and no gain at batch 4 (docs/benchmarks.md, thirty-fourth session).",
+    )
+    prompt_head_kv: bool = Field(
+        default=True,
+        description="vLLM, with prompt_head_window > 0: still write the draft head's K/V for the prompt rows its "
+        "first pass leaves out (the fc, norms, K/V projection and rotary embedding of those rows; not their "
+        "attention, output projection or MLP), so the head drafts exactly what it drafts without the cut. For "
+        "vLLM's one-layer Llama EAGLE-3 head on a backend that writes KV apart from its forward; elsewhere a "
+        "warning says why not and the rows stay unwritten. false: leave them unwritten (cheaper; drafts may get "
+        "worse).",
     )
     fault_limit: int = Field(
         default=8,

@@ -25,6 +25,7 @@ def test_a_prefilling_request_keeps_its_newest_rows_and_decoding_requests_keep_a
     assert plan.query_start_loc.tolist() == [0, 3, 5, 6, 8]
     assert plan.query_start_loc.dtype == torch.int32
     assert plan.max_query_len == 3 and plan.num_cut == 11
+    assert plan.cut.tolist() == [3, 4, 5, 6, 7, 11, 12, 13, 14, 15, 16]  # what the head's KV writer gets
     # A per-request sample index (each request's last valid row) lands on the same row after the cut.
     sample = torch.tensor([1, 9, 10, 18])  # request 0 rejected its last draft: its valid row is 1, not 2
     moved = sample - plan.shift
@@ -67,3 +68,7 @@ def test_the_plan_is_each_request_s_tail_in_order(rows, window):
     assert plan.num_cut == total - len(expected) and plan.max_query_len == max(new_lengths)
     last = _qsl(lengths)[1:].long() - 1
     assert plan.keep[last - plan.shift].tolist() == last.tolist()  # every request's last row survives, mapped
+    # The rows left out are the rest, in order, and each one's next row (its next token) is in its own request.
+    assert plan.cut.tolist() == sorted(set(range(total)) - set(expected))
+    request_of = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    assert torch.equal(request_of[plan.cut + 1], request_of[plan.cut])

@@ -28,13 +28,15 @@ class PromptTailPlan:
     keep: [N'] int64 rows of the step kept, in order; query_start_loc: [B + 1] int32, the kept rows' per-request
     ranges; shift: [B] int64, how far each request's rows moved towards the front (its last row's old index
     minus its new one), which maps a per-request sample index; max_query_len: the longest kept range;
-    num_cut: rows left out."""
+    num_cut: rows left out; cut: [num_cut] int64 those rows, in order (each is followed by a row of its own
+    request: a request's kept tail holds its last row)."""
 
     keep: torch.Tensor
     query_start_loc: torch.Tensor
     shift: torch.Tensor
     max_query_len: int
     num_cut: int
+    cut: torch.Tensor
 
 
 def prompt_tail_plan(
@@ -48,11 +50,14 @@ def prompt_tail_plan(
     batch = query_start_loc.shape[0] - 1
     if window <= 0 or batch <= 0 or is_prefilling.shape[0] < batch:
         return None
+    prefilling = is_prefilling[:batch].to(torch.bool)
+    if not bool(prefilling.any()):  # most steps under steady load: nobody joins, nothing more to compute
+        return None
     qsl = query_start_loc.to(torch.int64)
     if int(qsl[-1]) != num_rows:
         return None
     lengths = qsl[1:] - qsl[:-1]
-    kept = torch.where(is_prefilling[:batch].to(torch.bool), lengths.clamp(max=window), lengths)
+    kept = torch.where(prefilling, lengths.clamp(max=window), lengths)
     num_cut = int((lengths - kept).sum())
     if num_cut == 0:
         return None
@@ -61,7 +66,9 @@ def prompt_tail_plan(
     # Row r of request i stays when it is among the request's kept[i] last rows.
     request = torch.repeat_interleave(torch.arange(batch), lengths)
     rows = torch.arange(num_rows)
-    keep = torch.nonzero(rows >= (ends - kept)[request]).squeeze(1)
+    stays = rows >= (ends - kept)[request]
+    keep = torch.nonzero(stays).squeeze(1)
     new_qsl = torch.zeros(batch + 1, dtype=torch.int32)
     new_qsl[1:] = new_ends.to(torch.int32)
-    return PromptTailPlan(keep, new_qsl, ends - new_ends, int(kept.max()), num_cut)
+    cut = torch.nonzero(~stays).squeeze(1)
+    return PromptTailPlan(keep, new_qsl, ends - new_ends, int(kept.max()), num_cut, cut)

@@ -66,6 +66,7 @@ from echo_vllm.vllm import instance_attrs, prom_metrics
 from echo_vllm.vllm import spec as echo_spec
 from echo_vllm.vllm.deferred_head import DeferredHeadRows, HeadRows, request_of_rows, valid_rows
 from echo_vllm.vllm.faults import guard_from_env
+from echo_vllm.vllm.head_kv import HeadKVWriter
 from echo_vllm.vllm.prompt_head_rows import prompt_tail_plan
 from echo_vllm.vllm.stats_log import format_startup_line, format_stats_line
 from echo_vllm.vllm.step_log import StepLogWriter, StepRecord
@@ -260,6 +261,9 @@ class EchoProposer(EagleProposer):
         self._merged_rows = 0  # deferred head rows merged into this step's first pass (its cost sample)
         self.prompt_rows_cut = 0  # prompt rows the head's first pass left out (`prompt_head_window`), in total
         self._head_cut = 0  # ... in this step's first pass (its cost sample)
+        self.prompt_rows_kv = 0  # ... of those, rows whose head K/V were written (`prompt_head_kv`), in total
+        self._head_kv: HeadKVWriter | None = None  # resolved at the first cut (`_head_kv_checked`)
+        self._head_kv_checked = False
         self._head_keys: dict[str, int] = {}  # request id -> key of its kept head rows (cleared at each merge)
         self._no_merge = os.environ.get(DEFERRED_HEAD_NO_MERGE_ENV) == "1"
         self._force_plain = int(os.environ.get(FORCE_PLAIN_ENV) or 0)
@@ -721,6 +725,26 @@ class EchoProposer(EagleProposer):
         )
         self.prompt_rows_cut += plan.num_cut
         self._head_cut = plan.num_cut
+        writer = self._head_kv_writer() if self.echo_settings.prompt_head_kv else None
+        if writer is not None:
+            # Before the first pass: its kept rows attend over these positions. A cut row's next row is in its
+            # own request (`PromptTailPlan.cut`), so its first-pass input token is the target's next one.
+            cut = plan.cut.to(tokens.device, non_blocking=True)
+            writer.write(tokens[cut + 1], positions[cut], hidden[cut], cad.slot_mapping[cut])
+            self.prompt_rows_kv += plan.num_cut
+
+    def _head_kv_writer(self) -> HeadKVWriter | None:
+        """The head's K/V writer (`head_kv`), looked up once; a head or backend without one is said once."""
+        if not self._head_kv_checked:
+            self._head_kv_checked = True
+            self._head_kv, why = HeadKVWriter.of(getattr(self, "model", None))
+            if self._head_kv is None:
+                logger.warning(
+                    "ECHO prompt_head_kv: %s; the prompt rows prompt_head_window leaves out keep no head KV "
+                    "(drafts may get worse, output cannot change)",
+                    why,
+                )
+        return self._head_kv
 
     def _prefilling(self, cad: Any) -> torch.Tensor | None:
         """[B] bool on the host: the step's requests whose rows are prompt tokens. The metadata's `is_prefilling`
@@ -1448,6 +1472,7 @@ class EchoProposer(EagleProposer):
             "tree_plan_mismatches": self.tree_plan_mismatches,
             "deferred_head": self.deferred_head.summary() if self.deferred_head is not None else None,
             "prompt_rows_cut": self.prompt_rows_cut,  # prompt rows the head's first pass left out (prompt_head_window)
+            "prompt_rows_kv": self.prompt_rows_kv,  # ... of them, rows whose head K/V were written (prompt_head_kv)
             "request_history": self.history.summary() if self.history is not None else None,
             "calibration": self.calibration_source,
             "sweet_spots": self.calibration.sweet_spots if self.calibration is not None else [],
@@ -1461,7 +1486,7 @@ class EchoProposer(EagleProposer):
         self._timed_steps = self._rest_timed_steps = 0
         if self.deferred_head is not None:
             self.deferred_head.reset_counters()
-        self.prompt_rows_cut = 0
+        self.prompt_rows_cut = self.prompt_rows_kv = 0
 
     def format_stats(self) -> str:
         return format_stats_line(self.echo_stats())

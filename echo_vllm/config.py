@@ -185,12 +185,12 @@ class EchoSettings(BaseModel):
         default=0,
         ge=0,
         description="vLLM: the draft head's first pass runs over only each joining request's this many newest "
-        "prompt rows (its chunk of a prefill); older prompt positions leave the head's KV unwritten (drafts may get "
-        "worse, output cannot change), so a step that admits requests does not pay the head for whole prompts. "
-        "0 = every prompt row (vLLM's behaviour; the default, because a head trained on long contexts may lose "
-        "acceptance to the unwritten KV: compare `accepted_per_verified_draft` in echo_stats before keeping it). "
-        "On the testbed 4 measured ~4 % faster at batch 16 to 64 but ~5 % slower at batch 8 (its drafts got "
-        "shallower there) and no gain at batch 4 (docs/benchmarks.md, thirty-fourth session).",
+        "prompt rows (its chunk of a prefill), so a step that admits requests does not pay the head's attention "
+        "and MLP for whole prompts; the older rows still get the head's K/V (prompt_head_kv, default on: the same "
+        "drafts as without the cut) or, with prompt_head_kv false or a head without a K/V writer, none (drafts may "
+        "get worse; output cannot change either way). 0 = every prompt row (vLLM's behaviour; the default: on the "
+        "testbed's tiny head 4 with K/V measured no gain, 0.97-0.98x at batch 16 and 32, without K/V ~4 % faster "
+        "at 16-64 and ~5 % slower at 8; docs/benchmarks.md, thirty-fourth and thirty-fifth sessions).",
     )
     prompt_head_kv: bool = Field(
         default=True,

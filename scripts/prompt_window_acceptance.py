@@ -5,8 +5,11 @@
 One offline vLLM job per window on the committed testbed (HumanEval prompts, 64 greedy tokens, K_max = batch x
 depth: every draft a gate leaves open is verified), printing per window whether the output equals the first
 window's, the engine steps, accepted drafts per verified draft and the prompt rows the head left out. Run it with
-your own target and head (--target, --head) before turning the setting on: the testbed head accepts more without
-its prompt KV, a head trained on long contexts may accept less. Not a test, not a benchmark (no timing).
+your own target and head (--target, --head) before turning the setting on without the cut rows' K/V
+(`prompt_head_kv: false`, what this script runs unless --with-kv): the testbed head accepts more without its
+prompt KV, a head trained on long contexts may accept less. With the K/V written (--with-kv; the default of the
+setting) every window must show the first window's acceptance: the head's drafts do not change. Not a test, not
+a benchmark (no timing).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ def main() -> int:
     parser.add_argument("--target", default=str(ROOT / "tests/assets/testbed/target"))
     parser.add_argument("--head", default=str(ROOT / "tests/assets/testbed/eagle3"))
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--with-kv", action="store_true", help="write the cut rows' head K/V (prompt_head_kv)")
     args = parser.parse_args()
 
     from echo_vllm.bench.datasets import humaneval_prompts
@@ -37,7 +41,10 @@ def main() -> int:
     prompts = humaneval_prompts(args.prompts)
     reference, rows = None, []
     for window in (int(w) for w in args.windows.split(",")):
-        echo = {"k_max": args.batch_size * args.depth, "warmup_steps": 8, "prompt_head_window": window}
+        echo = {
+            "k_max": args.batch_size * args.depth, "warmup_steps": 8, "prompt_head_window": window,
+            "prompt_head_kv": args.with_kv,
+        }  # fmt: skip
         job = {
             "model": args.target, "prompts": prompts, "max_tokens": args.max_tokens,
             "max_num_seqs": args.batch_size, "echo_stats": True,
@@ -54,6 +61,7 @@ def main() -> int:
             "steps": stats["steps"],
             "accepted_per_verified_draft": round(stats["accepted_per_verified_draft"], 4),
             "prompt_rows_cut": stats["prompt_rows_cut"],
+            "prompt_rows_kv": stats["prompt_rows_kv"],
         }
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -44,7 +44,8 @@ def samples_from_log(lines: list[dict]) -> list[StepSample]:
         sample = StepSample(
             line["num_tokens"], line["batch"], line.get("drafted_depth", 0), line["rest_s"], after["draft_s"],
             line.get("tree_rows", 0), line.get("verified_in_forward", 0), line.get("merged_rows", 0),
-            line.get("context_tokens", 0), bool(line.get("tree_step", False)), line.get("head_cut", 0),
+            line.get("context_tokens", 0), bool(line.get("tree_step", False)),
+            line.get("head_cut", 0) - line.get("head_kv", 0),  # the free rows: written ones still cost per row
         )  # fmt: skip
         samples.append(sample)
     return samples

@@ -111,3 +111,57 @@ def test_write_stores_the_layers_k_and_v_of_the_rows_at_their_slots():
     assert torch.equal(layer.self_attn.rotated[0], positions)
     writer.write(ids[:0], positions[:0], aux[:0], slots[:0])  # no rows: no call
     assert len(layer.self_attn.attn.impl.calls) == 1
+
+
+class _RecordingWriter:
+    def __init__(self) -> None:
+        self.calls: list[tuple[torch.Tensor, ...]] = []
+
+    def write(self, input_ids, positions, aux_hidden, slots) -> None:
+        self.calls.append((input_ids, positions, aux_hidden, slots))
+
+
+def _proposer(writer, prompt_head_kv: bool):
+    from echo_vllm.vllm.proposer import EchoProposer
+
+    proposer = object.__new__(EchoProposer)
+    proposer.echo_settings = types.SimpleNamespace(prompt_head_window=2, prompt_head_kv=prompt_head_kv)
+    proposer.needs_extra_input_slots, proposer.uses_mrope = False, False
+    proposer.prompt_rows_cut = proposer.prompt_rows_kv = proposer._head_cut = proposer._head_cut_free = 0
+    proposer._head_kv, proposer._head_kv_checked = writer, True
+    return proposer
+
+
+def _step_inputs():
+    # Request 0 decodes (1 row), request 1 prefills 5 rows: rows 1-3 are left out, rows 4-5 kept.
+    qsl = torch.tensor([0, 1, 6], dtype=torch.int32)
+    cad = types.SimpleNamespace(
+        query_start_loc_cpu=qsl, query_start_loc=qsl, slot_mapping=torch.arange(100, 106), positions=None,
+        is_prefilling=torch.tensor([False, True]), batch_size=lambda: 2,
+        replace=lambda **changes: types.SimpleNamespace(**changes),
+    )  # fmt: skip
+    return {
+        "target_token_ids": torch.arange(10, 16),
+        "target_positions": torch.tensor([7, 0, 1, 2, 3, 4]),
+        "target_hidden_states": torch.arange(18.0).reshape(6, 3),
+        "token_indices_to_sample": torch.tensor([0, 5]),
+        "common_attn_metadata": cad,
+    }
+
+
+def test_the_proposer_writes_the_left_out_rows_kv_before_the_first_pass_and_prices_them_as_rows():
+    writer = _RecordingWriter()
+    proposer, kwargs = _proposer(writer, True), _step_inputs()
+    proposer._cut_prompt_rows(kwargs)
+    ((ids, positions, hidden, slots),) = writer.calls
+    assert ids.tolist() == [12, 13, 14]  # each left-out row's next token: the head's first-pass input there
+    assert positions.tolist() == [0, 1, 2] and slots.tolist() == [101, 102, 103]
+    assert torch.equal(hidden, torch.arange(18.0).reshape(6, 3)[1:4])  # before the fc: the writer applies it
+    assert kwargs["target_token_ids"].tolist() == [10, 14, 15]  # the first pass keeps the rest
+    assert kwargs["token_indices_to_sample"].tolist() == [0, 2]
+    assert proposer.prompt_rows_cut == proposer.prompt_rows_kv == proposer._head_cut == 3
+    assert proposer._head_cut_free == 0  # written rows cost the proposer: the cost sample counts them
+    unwritten, kwargs = _proposer(writer, False), _step_inputs()
+    unwritten._cut_prompt_rows(kwargs)
+    assert len(writer.calls) == 1 and unwritten.prompt_rows_kv == 0
+    assert unwritten._head_cut == unwritten._head_cut_free == 3

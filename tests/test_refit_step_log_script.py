@@ -51,6 +51,16 @@ def test_each_sample_pairs_a_forward_with_the_next_lines_proposer_time():
         assert sample.rest_s == lines[i]["rest_s"] and sample.draft_s == lines[i + 1]["draft_s"]
 
 
+def test_prompt_rows_left_out_count_as_free_only_without_their_kv():
+    refit = load_script("refit_step_log")
+    lines = _log(3)
+    lines[1].update(num_tokens=lines[1]["batch"] + lines[1]["verified_in_forward"] + 50, head_cut=30, head_kv=20)
+    (sample,) = refit.samples_from_log(lines)
+    assert sample.head_cut == 10 and sample.prompt_rows == 40  # the 20 written rows still cost the proposer
+    del lines[1]["head_kv"]  # a log from before prompt_head_kv: every left-out row was free
+    assert refit.samples_from_log(lines)[0].prompt_rows == 20
+
+
 def test_the_refit_prices_decode_and_joining_steps_and_an_older_profile_shows_the_row_cost():
     refit = load_script("refit_step_log")
     samples = refit.samples_from_log(_log())

@@ -51,6 +51,9 @@ def test_the_head_cut_to_each_prompt_s_tail_keeps_drafts_with_its_kv_and_output_
     assert unwritten["echo_stats"]["prompt_rows_kv"] == 0
     # The step log's per-step count (the cost sample's) adds up to the total.
     assert sum(s["head_cut"] for s in steps_cut) == cut["echo_stats"]["prompt_rows_cut"]
+    # ... and those whose K/V were written (the cost sample prices them as prompt rows; unwritten ones are free).
+    assert sum(s["head_kv"] for s in steps_cut) == cut["echo_stats"]["prompt_rows_kv"]
+    assert all(s["head_kv"] == 0 for s in steps_unwritten) and any(s["head_cut"] > 0 for s in steps_unwritten)
     assert all(s["head_cut"] == 0 for s in steps_whole)
     hashes = {name: [s["selection_hash"] for s in steps] for name, steps in
               (("whole", steps_whole), ("cut", steps_cut), ("unwritten", steps_unwritten))}  # fmt: skip

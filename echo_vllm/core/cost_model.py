@@ -107,7 +107,9 @@ class StepSample:
     merged: int = 0  # head rows of earlier plain steps merged into this step's first pass (defer_plain_head)
     context: int = 0  # tokens already in the KV cache of the step's requests, summed (0: not measured)
     tree_drafted: bool = False  # this step's drafter drafted trees (per-depth top-k siblings), not chains
-    head_cut: int = 0  # prompt rows this step's first pass left out (`prompt_head_window`)
+    # Prompt rows this step's first pass left out at no cost (`prompt_head_window` with `prompt_head_kv` off or
+    # impossible); rows whose head K/V were still written cost the proposer per row and count as prompt rows.
+    head_cut: int = 0
 
     @property
     def prompt_rows(self) -> int:

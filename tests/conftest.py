@@ -15,6 +15,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # meets it, so the engines started by tests re-raise (the fault-injection tests set "contain" themselves).
 os.environ.setdefault("ECHO_VLLM_FAULTS", "raise")
 
+# Offline engine jobs that would run the same forked from a process that imported vLLM once do so (saves ~7 s of
+# imports per job on the CI machine; echo_vllm/vllm/job_forkserver.py). ECHO_VLLM_JOB_FORKSERVER=0 turns it off.
+os.environ.setdefault("ECHO_VLLM_JOB_FORKSERVER", "1")
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch

@@ -128,3 +128,63 @@ def test_an_engine_job_leaves_nothing_in_the_temp_dir(tmp_path, monkeypatch):
     root = shipped_testbed()
     result = offline.run_in_subprocess({"model": str(root / "target"), "prompts": ["def add(a, b):"], "max_tokens": 4})
     assert result["texts"] and list(tmp_path.iterdir()) == []
+
+
+# ---- the fork server (job_forkserver): which jobs may fork, and a forked job runs as a fresh one --------------
+
+_BASE_ENV = {"PATH": "/usr/bin", "LD_PRELOAD": "/lib/libiomp5.so", "OMP_NUM_THREADS": "1",
+             "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "ECHO_VLLM_FAULTS": "raise"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("job", "env_change", "eligible"),
+    [
+        ({}, {}, True),
+        ({}, {"ECHO_VLLM_STEP_LOG": "/tmp/s.jsonl", "ECHO_VLLM_FAULTS": "contain"}, True),  # read after start-up
+        ({}, {"TMPDIR": "/tmp/job", "VLLM_RPC_BASE_PATH": "/tmp/job"}, True),  # the job's own directories
+        ({"extra": {"tensor_parallel_size": 2}}, {}, False),  # workers of their own
+        ({"extra": {"pipeline_parallel_size": 2}}, {}, False),
+        ({"executor": "ray"}, {}, False),
+        ({"extra": {"distributed_executor_backend": "mp"}}, {}, False),
+        ({}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, False),  # an engine-core process
+        ({}, {"ECHO_VLLM_EMULATE_CPU_ISA": "avx2"}, False),  # must act before vLLM's first import
+        ({}, {"ATEN_CPU_CAPABILITY": "avx2"}, False),
+        ({}, {"LD_PRELOAD": ""}, False),  # library load
+        ({}, {"OMP_NUM_THREADS": "2"}, False),
+        ({}, {"VLLM_CPU_KVCACHE_SPACE": "2"}, False),  # anything else: a fresh interpreter, to be safe
+    ],
+)
+def test_fork_eligible_only_when_a_fork_runs_as_a_fresh_interpreter(job, env_change, eligible):
+    from echo_vllm.vllm.job_forkserver import fork_eligible
+
+    env = {key: value for key, value in {**_BASE_ENV, **env_change}.items() if value != "" or key != "LD_PRELOAD"}
+    assert fork_eligible({"model": "m", **job}, env, _BASE_ENV) is eligible
+
+
+def test_fork_server_is_opt_in():
+    from echo_vllm.vllm.job_forkserver import FORKSERVER_ENV, wanted
+
+    assert not wanted({}) and not wanted({FORKSERVER_ENV: "0"}) and wanted({FORKSERVER_ENV: "1"})
+
+
+@pytest.mark.engine
+def test_a_forked_job_runs_as_a_fresh_one(tmp_path, monkeypatch):
+    """The same ECHO job (fixed K_max: no timing in any decision) fresh and forked: the same tokens, the same
+    selection at every step, the plugin's log lines and statistics in both."""
+    from engine_jobs import run_echo, target_job
+
+    from echo_vllm.bench.datasets import humaneval_prompts
+    from echo_vllm.vllm.job_forkserver import FORKSERVER_ENV
+
+    job = target_job(humaneval_prompts(8), max_tokens=24, max_num_seqs=4)
+    echo = {"k_max": 8, "warmup_steps": 6, "min_samples_per_class": 2}
+    monkeypatch.setenv(FORKSERVER_ENV, "0")
+    fresh, fresh_steps = run_echo(job, echo, tmp_path / "fresh.jsonl")
+    monkeypatch.setenv(FORKSERVER_ENV, "1")
+    forked, forked_steps = run_echo(job, echo, tmp_path / "forked.jsonl")
+    assert (fresh["job_process"], forked["job_process"]) == ("fresh", "forked")
+    assert forked["token_ids"] == fresh["token_ids"]
+    assert forked["spec"] == fresh["spec"] and fresh["spec"]["num_drafts"] > 0
+    assert [s["selection_hash"] for s in forked_steps] == [s["selection_hash"] for s in fresh_steps]
+    assert forked_steps and forked["echo_stats"]["calibration"] == fresh["echo_stats"]["calibration"]
+    assert any("ECHO" in line for line in forked["echo_log"]) and len(forked["echo_log"]) == len(fresh["echo_log"])

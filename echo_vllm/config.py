@@ -189,7 +189,7 @@ class EchoSettings(BaseModel):
         "and MLP for whole prompts; the older rows still get the head's K/V (prompt_head_kv, default on: the same "
         "drafts as without the cut) or, with prompt_head_kv false or a head without a K/V writer, none (drafts may "
         "get worse; output cannot change either way). 0 = every prompt row (vLLM's behaviour; the default: on the "
-        "testbed's tiny head 4 with K/V measured no gain, 0.97-0.98x at batch 16 and 32, without K/V ~4 % faster "
+        "testbed's tiny head 4 with K/V measured no gain, 0.97-0.99x at batch 16, 32 and 64, without K/V ~4 % faster "
         "at 16-64 and ~5 % slower at 8; docs/benchmarks.md, thirty-fourth and thirty-fifth sessions).",
     )
     prompt_head_kv: bool = Field(

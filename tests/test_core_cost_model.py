@@ -274,7 +274,7 @@ def test_prompt_rows_the_head_left_out_are_not_prompt_rows_of_the_sample():
     # joining requests): the drafting term prices the 8.
     whole = StepSample(382, 64, 2, 0.05, 0.01, width=2, verified=16)
     assert whole.prompt_rows == 300
-    assert dataclasses.replace(whole, head_cut=292).prompt_rows == 8
+    assert dataclasses.replace(whole, head_free=292).prompt_rows == 8
 
 
 def _deferring_samples(h: float, n=400, seed=3, noise=0.02):

@@ -127,7 +127,7 @@ def _proposer(writer, prompt_head_kv: bool):
     proposer = object.__new__(EchoProposer)
     proposer.echo_settings = types.SimpleNamespace(prompt_head_window=2, prompt_head_kv=prompt_head_kv)
     proposer.needs_extra_input_slots, proposer.uses_mrope = False, False
-    proposer.prompt_rows_cut = proposer.prompt_rows_kv = proposer._head_cut = proposer._head_cut_free = 0
+    proposer.prompt_rows_cut = proposer.prompt_rows_kv = proposer._head_cut = proposer._head_free = 0
     proposer._head_kv, proposer._head_kv_checked = writer, True
     return proposer
 
@@ -160,8 +160,8 @@ def test_the_proposer_writes_the_left_out_rows_kv_before_the_first_pass_and_pric
     assert kwargs["target_token_ids"].tolist() == [10, 14, 15]  # the first pass keeps the rest
     assert kwargs["token_indices_to_sample"].tolist() == [0, 2]
     assert proposer.prompt_rows_cut == proposer.prompt_rows_kv == proposer._head_cut == 3
-    assert proposer._head_cut_free == 0  # written rows cost the proposer: the cost sample counts them
+    assert proposer._head_free == 0  # written rows cost the proposer: the cost sample counts them
     unwritten, kwargs = _proposer(writer, False), _step_inputs()
     unwritten._cut_prompt_rows(kwargs)
     assert len(writer.calls) == 1 and unwritten.prompt_rows_kv == 0
-    assert unwritten._head_cut == unwritten._head_cut_free == 3
+    assert unwritten._head_cut == unwritten._head_free == 3

@@ -56,7 +56,7 @@ def test_prompt_rows_left_out_count_as_free_only_without_their_kv():
     lines = _log(3)
     lines[1].update(num_tokens=lines[1]["batch"] + lines[1]["verified_in_forward"] + 50, head_cut=30, head_kv=20)
     (sample,) = refit.samples_from_log(lines)
-    assert sample.head_cut == 10 and sample.prompt_rows == 40  # the 20 written rows still cost the proposer
+    assert sample.head_free == 10 and sample.prompt_rows == 40  # the 20 written rows still cost the proposer
     del lines[1]["head_kv"]  # a log from before prompt_head_kv: every left-out row was free
     assert refit.samples_from_log(lines)[0].prompt_rows == 20
 

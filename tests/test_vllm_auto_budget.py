@@ -37,6 +37,7 @@ def _run(prompts, max_num_seqs, echo, step_log=None, env=None):
     job = target_job(prompts, max_tokens=MAX_TOKENS, max_num_seqs=max_num_seqs)
     if echo is None:
         return no_spec(job)
+    assert step_log is not None, "an ECHO run here writes its step log: pass step_log"
     return run_echo(job, echo, step_log, extra_env=env)[0]
 
 

@@ -109,13 +109,13 @@ class StepSample:
     tree_drafted: bool = False  # this step's drafter drafted trees (per-depth top-k siblings), not chains
     # Prompt rows this step's first pass left out at no cost (`prompt_head_window` with `prompt_head_kv` off or
     # impossible); rows whose head K/V were still written cost the proposer per row and count as prompt rows.
-    head_cut: int = 0
+    head_free: int = 0
 
     @property
     def prompt_rows(self) -> int:
         """Rows of the forward beyond the decode rows (one per request, the verified drafts, the tree rows): prompt
         chunks of joining requests, which the draft head's first pass runs too (less those it left out)."""
-        return max(0, self.num_tokens - self.batch - self.verified - self.width - self.head_cut)
+        return max(0, self.num_tokens - self.batch - self.verified - self.width - self.head_free)
 
 
 class StepSamples:

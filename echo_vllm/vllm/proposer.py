@@ -261,7 +261,7 @@ class EchoProposer(EagleProposer):
         self._merged_rows = 0  # deferred head rows merged into this step's first pass (its cost sample)
         self.prompt_rows_cut = 0  # prompt rows the head's first pass left out (`prompt_head_window`), in total
         self._head_cut = 0  # ... in this step's first pass (the step log)
-        self._head_cut_free = 0  # ... of them, rows whose K/V were not written either: free (the cost sample)
+        self._head_free = 0  # ... of them, rows whose K/V were not written either: free (the cost sample)
         self.prompt_rows_kv = 0  # ... of those, rows whose head K/V were written (`prompt_head_kv`), in total
         self._head_kv: HeadKVWriter | None = None  # resolved at the first cut (`_head_kv_checked`)
         self._head_kv_checked = False
@@ -528,7 +528,7 @@ class EchoProposer(EagleProposer):
                 self._last_times = (start - self._last_end, self._last_times[1])
             self._before_drafting(batch)
             self._merged_rows = 0
-            self._head_cut = self._head_cut_free = 0
+            self._head_cut = self._head_free = 0
             drafts = self._draft(num_speculative_tokens, args, kwargs)
             drafted = time.perf_counter()
             if not isinstance(drafts, torch.Tensor) or drafts.dim() != 2:
@@ -725,7 +725,7 @@ class EchoProposer(EagleProposer):
             _token_to_req_indices_cache=None,
         )
         self.prompt_rows_cut += plan.num_cut
-        self._head_cut = self._head_cut_free = plan.num_cut
+        self._head_cut = self._head_free = plan.num_cut
         writer = self._head_kv_writer() if self.echo_settings.prompt_head_kv else None
         if writer is not None:
             # Before the first pass: its kept rows attend over these positions. A cut row's next row is in its
@@ -735,7 +735,7 @@ class EchoProposer(EagleProposer):
             self.prompt_rows_kv += plan.num_cut
             # Written rows still cost the proposer per row (on the testbed's head about what the full pass did):
             # the cost sample counts them as prompt rows, whose price the fit learns.
-            self._head_cut_free = 0
+            self._head_free = 0
 
     def _head_kv_writer(self) -> HeadKVWriter | None:
         """The head's K/V writer (`head_kv`), looked up once; a head or backend without one is said once."""
@@ -931,7 +931,7 @@ class EchoProposer(EagleProposer):
                 sample = StepSample(
                     num_tokens, batch, depth, rest_s, draft_s, self.forward_fix_rows, self._verified_in_forward,
                     self._merged_rows, self._step_context if self._cost_context else 0, self._tree_step,
-                    self._head_cut_free,
+                    self._head_free,
                 )  # fmt: skip
                 self.budget.add_sample(sample, self.warming_up)
         self._last_end = end
@@ -1433,7 +1433,7 @@ class EchoProposer(EagleProposer):
             "tree_rows": self.forward_fix_rows,  # verified nodes off the spine in this step's forward (cost sample)
             "merged_rows": self._merged_rows,  # deferred head rows this step's first pass carried (cost sample)
             "head_cut": self._head_cut,  # prompt rows its first pass left out (prompt_head_window)
-            "head_kv": self._head_cut - self._head_cut_free,  # ... of them, rows whose K/V were written (still cost)
+            "head_kv": self._head_cut - self._head_free,  # ... of them, rows whose K/V were written (still cost)
         }
         rounded: dict[str, Sequence[float | None]] = {}
         model_ms = None

@@ -149,7 +149,7 @@ _BASE_ENV = {"PATH": "/usr/bin", "LD_PRELOAD": "/lib/libiomp5.so", "OMP_NUM_THRE
         ({}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, False),  # an engine-core process
         ({}, {"ECHO_VLLM_EMULATE_CPU_ISA": "avx2"}, False),  # must act before vLLM's first import
         ({}, {"ATEN_CPU_CAPABILITY": "avx2"}, False),
-        ({}, {"LD_PRELOAD": ""}, False),  # library load
+        ({}, {"LD_PRELOAD": None}, False),  # library load (None: the variable unset)
         ({}, {"OMP_NUM_THREADS": "2"}, False),
         ({}, {"VLLM_CPU_KVCACHE_SPACE": "2"}, False),  # anything else: a fresh interpreter, to be safe
     ],
@@ -157,7 +157,7 @@ _BASE_ENV = {"PATH": "/usr/bin", "LD_PRELOAD": "/lib/libiomp5.so", "OMP_NUM_THRE
 def test_fork_eligible_only_when_a_fork_runs_as_a_fresh_interpreter(job, env_change, eligible):
     from echo_vllm.vllm.job_forkserver import fork_eligible
 
-    env = {key: value for key, value in {**_BASE_ENV, **env_change}.items() if value != "" or key != "LD_PRELOAD"}
+    env = {key: value for key, value in {**_BASE_ENV, **env_change}.items() if value is not None}
     assert fork_eligible({"model": "m", **job}, env, _BASE_ENV) is eligible
 
 

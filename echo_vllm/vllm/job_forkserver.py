@@ -1,7 +1,7 @@
 """Offline vLLM jobs forked from a process that has already imported vLLM (opt-in: ECHO_VLLM_JOB_FORKSERVER=1).
 
 A job in a fresh interpreter (`offline.run_in_subprocess`) spends ~7 of its ~10 s on this 2-core machine importing
-torch and vLLM before the engine starts. The test suite runs ~60 such jobs. With this opt-in, a job runs in a
+torch and vLLM before the engine starts, and the test suite runs dozens of such jobs. With this opt-in, a job runs in a
 process forked from a multiprocessing fork server that imported vLLM once (`PRELOAD`): the engine, the plugin
 load and everything the job does still happen in a process of the job's own, started from the same pristine
 server every time (no state passes from one job to the next), only the imports are shared.

@@ -138,6 +138,7 @@ def main() -> int:
             for label, method, depth, overrides in specs:
                 if method == "nospec":
                     variants[label] = Variant("nospec")
+                    envs[label] = {k[4:]: str(v) for k, v in overrides.items() if k.startswith("env.")}
                     continue
                 (base,) = [
                     v
@@ -164,10 +165,12 @@ def main() -> int:
                         "stats": out.get("echo_stats") or {},
                         "full_step_ms": _full_step_ms(out.get("step_trace"), batch_size),
                         "full_decode": _full_decode(out.get("step_trace"), batch_size),
+                        "job_process": out.get("job_process"),  # "forked" with env.ECHO_VLLM_JOB_FORKSERVER=1
                     }
                     runs[label].append(row)
                     print(
-                        f"[ab] batch {batch_size} round {r} {label}: {row['tok_s']:.1f} tok/s, steady {row['steady']}",
+                        f"[ab] batch {batch_size} round {r} {label}: {row['tok_s']:.1f} tok/s, steady {row['steady']}"
+                        f" ({row['job_process']})",
                         flush=True,
                     )
             base_tokens = runs["nospec"][0]["token_ids"]
@@ -197,6 +200,8 @@ def main() -> int:
                     "steady": round(steady, 1) if steady else None,
                     "steady_range": [round(min(steady_vals), 1), round(max(steady_vals), 1)] if steady_vals else None,
                     "steady_vs_nospec": round(steady / base_steady, 3) if steady and base_steady else None,
+                    "tok_s_rounds": [round(x["tok_s"], 1) for x in rows],
+                    "job_processes": sorted({str(x["job_process"]) for x in rows}),
                     "vs_best_in_round": [round(x["tok_s"] / b, 3) for x, b in zip(rows, best_in_round)],
                     "vs_best_in_round_median": round(
                         statistics.median(x["tok_s"] / b for x, b in zip(rows, best_in_round)), 3

@@ -167,6 +167,29 @@ def test_fork_server_is_opt_in():
     assert not wanted({}) and not wanted({FORKSERVER_ENV: "0"}) and wanted({FORKSERVER_ENV: "1"})
 
 
+def test_the_jobs_own_environment_opts_in_to_the_fork_server(monkeypatch):
+    """`run_in_subprocess(job, extra_env=...)` decides from the job's environment, so one caller (a paired
+    fidelity run) can fork some jobs and start others fresh."""
+    from echo_vllm.vllm import job_forkserver, offline
+    from echo_vllm.vllm.job_forkserver import FORKSERVER_ENV
+
+    forked: list[str] = []
+
+    def fake_run_forked(job_json, env, base_env, timeout):
+        forked.append(env[FORKSERVER_ENV])
+        return 0, "", ""
+
+    monkeypatch.setattr(job_forkserver, "run_forked", fake_run_forked)
+    monkeypatch.setattr(job_forkserver, "fork_eligible", lambda job, env, server_env: True)
+    job = {"model": "m"}
+    monkeypatch.setenv(FORKSERVER_ENV, "0")
+    assert offline._run_forked(job, {FORKSERVER_ENV: "1"}, 10.0) is not None
+    monkeypatch.setenv(FORKSERVER_ENV, "1")
+    assert offline._run_forked(job, {FORKSERVER_ENV: "0"}, 10.0) is None
+    assert offline._run_forked(job, {}, 10.0) is None  # the job's environment is the whole of it
+    assert forked == ["1"]
+
+
 @pytest.mark.engine
 def test_a_forked_job_runs_as_a_fresh_one(tmp_path, monkeypatch):
     """The same ECHO job (fixed K_max: no timing in any decision) fresh and forked: the same tokens, the same

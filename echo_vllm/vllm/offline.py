@@ -357,11 +357,12 @@ def _run_child(stdin: str, env: dict[str, str], timeout: float, own_group: bool)
 
 
 def _run_forked(job: dict[str, Any], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess | None:
-    """The job forked from the pre-imported server (`job_forkserver`, opt-in with ECHO_VLLM_JOB_FORKSERVER=1), or
-    None when it is not wanted or would not run as in a fresh interpreter."""
+    """The job forked from the pre-imported server (`job_forkserver`, opt-in with ECHO_VLLM_JOB_FORKSERVER=1 in the
+    job's environment: this process's or its `extra_env`), or None when it is not wanted or would not run as in a
+    fresh interpreter."""
     from echo_vllm.vllm import job_forkserver
 
-    if not job_forkserver.wanted():
+    if not job_forkserver.wanted(env):
         return None
     base = cpu_runtime_env(os.environ, in_process=True)
     if not job_forkserver.fork_eligible(job, env, job_forkserver.server_env() or base):

@@ -13,9 +13,12 @@ what that forward accepted, so all three belong to line t - 1's decision. Prints
   steps: a plan that swings between plain decoding and deep drafts shows at a glance;
 - per decision kind (plain, d1.., probe): steps, share of the job's time, emitted tokens per step and tokens/s,
   over every step (prompt rows and the drain included: what the job paid);
-- per kind, the full-batch decode steps only (no prompt rows): their median measured ms and the cost model's
-  price of that step ("model_ms" of line t - 1 at the drafted depth, every draft verified), so a mispriced depth
-  shows beside its measured steps.
+- per kind, the full-batch decode steps only (no prompt rows): their median measured ms, their median verified
+  drafts, and the cost model's price of a step at the drafted depth with every draft verified ("model_ms_all":
+  line t - 1's "model_ms", the plan's price of that depth). A step the budget cut verified fewer drafts than that
+  (compare "verified" with batch x depth) and costs less than "model_ms_all" without any mispricing: the price at
+  the verified drafts is `scripts/refit_step_log.py --profile`'s (the thirty-sixth session read the difference at
+  batch 32 depth 3, ~4 ms, as a mispricing; it was the cut drafts).
 
 Reporting only; plain Python, no vLLM.
 """
@@ -55,6 +58,7 @@ def attributed_steps(lines: list[dict]) -> list[dict]:
             "emitted": float(after["batch"] + sum(after.get("accepted") or [])),
             "prompt": prompt_rows > 0,
             "full_decode": prompt_rows <= 0 and after["batch"] == batch,
+            "verified": after.get("verified_in_forward", 0),
             "model_ms": model[min(depth, len(model) - 1)] if model else None,
         })  # fmt: skip
     return out
@@ -79,7 +83,8 @@ def summarise(steps: list[dict]) -> dict[str, dict]:
             "tokens_per_s": round(emitted / seconds, 1) if seconds > 0 else None,
             "full_decode_steps": len(decode),
             "full_decode_ms": round(1e3 * statistics.median(r["seconds"] for r in decode), 2) if decode else None,
-            "model_ms": round(statistics.median(priced), 2) if priced else None,
+            "verified": statistics.median(r["verified"] for r in decode) if decode else None,
+            "model_ms_all": round(statistics.median(priced), 2) if priced else None,
         }
     return table
 

@@ -28,6 +28,7 @@ def test_steps_are_attributed_to_the_previous_decision():
     assert [s["emitted"] for s in steps] == [2.0, 5.0, 3.0]
     assert [s["full_decode"] for s in steps] == [True, True, False]
     table = trace.summarise(steps)
-    assert table["d2"]["full_decode_ms"] == 25.0 and table["d2"]["model_ms"] == 15.0  # priced at the drafted depth
+    assert table["d2"]["full_decode_ms"] == 25.0 and table["d2"]["model_ms_all"] == 15.0  # priced at the drafted depth
+    assert table["d2"]["verified"] == 4  # what that step verified (of batch x depth = 4: none cut)
     assert table["probe"]["full_decode_steps"] == 0 and table["probe"]["tokens_per_step"] == 3.0
     assert abs(sum(row["time_share"] for row in table.values()) - 1.0) < 0.01

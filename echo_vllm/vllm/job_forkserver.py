@@ -10,7 +10,10 @@ Only jobs for which that is the same as a fresh process use it (`fork_eligible`)
 the uni executor: nothing spawns workers from the forked child) whose environment differs from the server's only
 in variables read after start-up (ECHO's own ECHO_VLLM_* switches, the job's temp and socket directories). A
 variable that acts at import or library load (LD_PRELOAD, OMP_*, ATEN_CPU_CAPABILITY, ECHO_VLLM_EMULATE_CPU_ISA)
-that differs sends the job to a fresh interpreter. Benchmarks never use it: their jobs stay fresh processes.
+that differs sends the job to a fresh interpreter. The opt-in is read from the job's environment (the caller's,
+plus `run_in_subprocess`'s extra_env), so one caller can fork some jobs and not others. Benchmarks never use it:
+in paired rounds at batch 16 forked jobs ran 0.92-1.01 of fresh ones (docs/benchmarks.md, thirty-seventh
+session), so their jobs stay fresh processes.
 """
 
 from __future__ import annotations

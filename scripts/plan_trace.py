@@ -18,7 +18,13 @@ what that forward accepted, so all three belong to line t - 1's decision. Prints
   line t - 1's "model_ms", the plan's price of that depth). A step the budget cut verified fewer drafts than that
   (compare "verified" with batch x depth) and costs less than "model_ms_all" without any mispricing: the price at
   the verified drafts is `scripts/refit_step_log.py --profile`'s (the thirty-sixth session read the difference at
-  batch 32 depth 3, ~4 ms, as a mispricing; it was the cut drafts).
+  batch 32 depth 3, ~4 ms, as a mispricing; it was the cut drafts);
+- per drafted depth, the plan's optimism: the value it held for a depth (line t's "depth_values", relative to plain
+  decoding) less what the step verified at t realised for that depth in hindsight (line t + 1's "level_rates"),
+  averaged over the steps that chose the depth and over the steps that chose another. A depth chosen because its
+  average ran high and then realising less than when it was not chosen is the argmax of noisy averages picking
+  their noise (thirty-seventh session, batch 16 and 32, depths 2-3: mostly +0.02 to +0.09 when chosen against
+  -0.03 to +0.02 when not). Probe and plain steps, and steps of static policy blocks, are left out.
 
 Reporting only; plain Python, no vLLM.
 """
@@ -89,6 +95,30 @@ def summarise(steps: list[dict]) -> dict[str, dict]:
     return table
 
 
+def optimism(lines: list[dict]) -> dict[int, dict]:
+    """Per depth d >= 1: mean (value held - value realised) over the auto steps that drafted d ("chosen") and over
+    those that drafted another depth ("other"), with their counts. Line t's values planned step t; line t + 1's
+    level rates are step t's verified selection in hindsight (the same scale: relative to plain decoding)."""
+    sums: dict[int, dict[str, list[float]]] = defaultdict(lambda: {"chosen": [], "other": []})
+    for before, after in zip(lines, lines[1:]):
+        values, realised = before.get("depth_values"), after.get("level_rates")
+        depth = before.get("drafted_depth", 0)
+        if kind_of(before) in ("probe", "plain") or before.get("policy", "auto") != "auto":
+            continue
+        if not values or not realised or len(values) != len(realised) or None in values:
+            continue
+        for d in range(1, len(values)):
+            sums[d]["chosen" if d == depth else "other"].append(values[d] - realised[d])
+    return {
+        d: {
+            key: (round(statistics.mean(x), 4) if x else None)
+            for key, x in (("chosen", rows["chosen"]), ("other", rows["other"]))
+        }
+        | {"chosen_steps": len(rows["chosen"]), "other_steps": len(rows["other"])}
+        for d, rows in sorted(sums.items())
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("step_log", type=Path)
@@ -105,6 +135,9 @@ def main() -> None:
           f"{sum(s['emitted'] for s in steps) / max(1e-9, sum(s['seconds'] for s in steps)):.1f} tok/s")  # fmt: skip
     for kind, row in summarise(steps).items():
         print(f"  {kind:<6} {json.dumps(row)}")
+    print("  optimism (value held - realised, chosen depth vs the others):")
+    for depth, row in optimism(lines).items():
+        print(f"    d{depth} {json.dumps(row)}")
 
 
 if __name__ == "__main__":

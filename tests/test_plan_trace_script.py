@@ -32,3 +32,22 @@ def test_steps_are_attributed_to_the_previous_decision():
     assert table["d2"]["verified"] == 4  # what that step verified (of batch x depth = 4: none cut)
     assert table["probe"]["full_decode_steps"] == 0 and table["probe"]["tokens_per_step"] == 3.0
     assert abs(sum(row["time_share"] for row in table.values()) - 1.0) < 0.01
+
+
+def test_optimism_compares_a_chosen_depths_value_with_what_it_realised():
+    trace = load_script("plan_trace")
+
+    def line(depth, values, realised, probe=False):
+        return {"phase": "auto", "policy": "auto", "batch": 2, "drafted_depth": depth, "probe": probe,
+                "depth_values": values, "level_rates": realised}  # fmt: skip
+
+    lines = [
+        line(2, [1.0, 1.1, 1.3, 1.2], []),  # chose depth 2 (its value ran high)
+        line(1, [1.0, 1.2, 1.1, 1.0], [1.0, 1.1, 1.1, 1.0]),  # depth 2 realised 1.1; chose depth 1
+        line(3, [1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.9, 0.8], probe=True),  # depth 1 realised 1.0; a probe: left out
+        line(1, [1.0, 1.0, 1.0, 1.0], [1.0, 0.5, 0.5, 0.5]),
+    ]
+    table = trace.optimism(lines)
+    assert table[2]["chosen"] == 0.2 and table[2]["chosen_steps"] == 1  # 1.3 held, 1.1 realised
+    assert table[1]["chosen"] == 0.2 and table[1]["other"] == 0.0  # 1.2 - 1.0 chosen; 1.1 - 1.1 when depth 2 was
+    assert table[3]["chosen"] is None and table[3]["other_steps"] == 2 and table[3]["other"] == 0.2

@@ -19,12 +19,14 @@ what that forward accepted, so all three belong to line t - 1's decision. Prints
   (compare "verified" with batch x depth) and costs less than "model_ms_all" without any mispricing: the price at
   the verified drafts is `scripts/refit_step_log.py --profile`'s (the thirty-sixth session read the difference at
   batch 32 depth 3, ~4 ms, as a mispricing; it was the cut drafts);
-- per drafted depth, the plan's optimism: the value it held for a depth (line t's "depth_values", relative to plain
-  decoding) less what the step verified at t realised for that depth in hindsight (line t + 1's "level_rates"),
-  averaged over the steps that chose the depth and over the steps that chose another. A depth chosen because its
-  average ran high and then realising less than when it was not chosen is the argmax of noisy averages picking
-  their noise (thirty-seventh session, batch 16 and 32, depths 2-3: mostly +0.02 to +0.09 when chosen against
-  -0.03 to +0.02 when not). Probe and plain steps, and steps of static policy blocks, are left out.
+- per depth, the plan's optimism: the value it held for a depth (line t's "depth_values", relative to plain
+  decoding) less what the step planned at t realised for it in hindsight (line t + 1's "level_rates"), averaged
+  over the auto steps that drafted that depth ("chosen"), over those that drafted deeper (the depth measured there
+  too: "other_measured"), over those that drafted shallower (the depth's level imputed from continuation rates:
+  "other_imputed") and over probes that measured it ("probe"). Chosen running high against other_measured is the
+  argmax of noisy averages picking their noise; probe running high says the values held for depths the plan does
+  not draft (imputed) are optimistic (thirty-seventh session, batch 16 and 32: depth 4 +0.14-0.16 of the plain
+  rate in probes). Plain steps and static policy blocks are left out.
 
 Reporting only; plain Python, no vLLM.
 """
@@ -96,25 +98,29 @@ def summarise(steps: list[dict]) -> dict[str, dict]:
 
 
 def optimism(lines: list[dict]) -> dict[int, dict]:
-    """Per depth d >= 1: mean (value held - value realised) over the auto steps that drafted d ("chosen") and over
-    those that drafted another depth ("other"), with their counts. Line t's values planned step t; line t + 1's
-    level rates are step t's verified selection in hindsight (the same scale: relative to plain decoding)."""
-    sums: dict[int, dict[str, list[float]]] = defaultdict(lambda: {"chosen": [], "other": []})
+    """Per depth d >= 1: the mean and count of (value held - value realised) over the auto steps that drafted d
+    ("chosen"), deeper ("other_measured"), shallower ("other_imputed"), and over probes drafting at least d ("probe").
+    Line t's values planned step t; line t + 1's level rates are step t's verified selection in hindsight (the same
+    scale: relative to plain decoding)."""
+    groups = ("chosen", "other_measured", "other_imputed", "probe")
+    sums: dict[int, dict[str, list[float]]] = defaultdict(lambda: {g: [] for g in groups})
     for before, after in zip(lines, lines[1:]):
         values, realised = before.get("depth_values"), after.get("level_rates")
-        depth = before.get("drafted_depth", 0)
-        if kind_of(before) in ("probe", "plain") or before.get("policy", "auto") != "auto":
+        depth, kind = before.get("drafted_depth", 0), kind_of(before)
+        if kind == "plain" or before.get("policy", "auto") != "auto":
             continue
         if not values or not realised or len(values) != len(realised) or None in values:
             continue
         for d in range(1, len(values)):
-            sums[d]["chosen" if d == depth else "other"].append(values[d] - realised[d])
+            if kind == "probe":
+                group = "probe" if d <= depth else None
+            else:
+                group = "chosen" if d == depth else "other_measured" if d < depth else "other_imputed"
+            if group is not None:
+                sums[d][group].append(values[d] - realised[d])
     return {
-        d: {
-            key: (round(statistics.mean(x), 4) if x else None)
-            for key, x in (("chosen", rows["chosen"]), ("other", rows["other"]))
-        }
-        | {"chosen_steps": len(rows["chosen"]), "other_steps": len(rows["other"])}
+        d: {g: (round(statistics.mean(rows[g]), 4) if rows[g] else None) for g in groups}
+        | {f"{g}_steps": len(rows[g]) for g in groups}
         for d, rows in sorted(sums.items())
     }
 
@@ -135,7 +141,7 @@ def main() -> None:
           f"{sum(s['emitted'] for s in steps) / max(1e-9, sum(s['seconds'] for s in steps)):.1f} tok/s")  # fmt: skip
     for kind, row in summarise(steps).items():
         print(f"  {kind:<6} {json.dumps(row)}")
-    print("  optimism (value held - realised, chosen depth vs the others):")
+    print("  optimism (value held - realised; chosen, drafted deeper, drafted shallower, probes):")
     for depth, row in optimism(lines).items():
         print(f"    d{depth} {json.dumps(row)}")
 

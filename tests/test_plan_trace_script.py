@@ -44,10 +44,13 @@ def test_optimism_compares_a_chosen_depths_value_with_what_it_realised():
     lines = [
         line(2, [1.0, 1.1, 1.3, 1.2], []),  # chose depth 2 (its value ran high)
         line(1, [1.0, 1.2, 1.1, 1.0], [1.0, 1.1, 1.1, 1.0]),  # depth 2 realised 1.1; chose depth 1
-        line(3, [1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.9, 0.8], probe=True),  # depth 1 realised 1.0; a probe: left out
-        line(1, [1.0, 1.0, 1.0, 1.0], [1.0, 0.5, 0.5, 0.5]),
+        line(3, [1.0, 1.0, 1.0, 1.4], [1.0, 1.0, 0.9, 0.8], probe=True),  # depth 1 realised 1.0; a probe to depth 3
+        line(0, [1.0, 1.0, 1.0, 1.0], [1.0, 0.5, 0.5, 0.5]),  # the probe realised 0.5 at depths 1-3; plain: left out
+        line(1, [1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]),
     ]
     table = trace.optimism(lines)
     assert table[2]["chosen"] == 0.2 and table[2]["chosen_steps"] == 1  # 1.3 held, 1.1 realised
-    assert table[1]["chosen"] == 0.2 and table[1]["other"] == 0.0  # 1.2 - 1.0 chosen; 1.1 - 1.1 when depth 2 was
-    assert table[3]["chosen"] is None and table[3]["other_steps"] == 2 and table[3]["other"] == 0.2
+    assert table[1]["chosen"] == 0.2 and table[1]["other_measured"] == 0.0  # depth 1 was measured by the depth-2 step
+    # a depth-1 step held 1.1 for depth 2, which its level imputed at 0.9; depth 3 was imputed on both such steps
+    assert table[2]["other_imputed"] == 0.2 and table[3]["other_imputed_steps"] == 2
+    assert table[3]["probe"] == 0.9 and table[1]["probe"] == 0.5 and table[3]["chosen"] is None

@@ -24,9 +24,11 @@ what that forward accepted, so all three belong to line t - 1's decision. Prints
   over the auto steps that drafted that depth ("chosen"), over those that drafted deeper (the depth measured there
   too: "other_measured"), over those that drafted shallower (the depth's level imputed from continuation rates:
   "other_imputed") and over probes that measured it ("probe"). Chosen running high against other_measured is the
-  argmax of noisy averages picking their noise; probe running high says the values held for depths the plan does
-  not draft (imputed) are optimistic (thirty-seventh session, batch 16 and 32: depth 4 +0.14-0.16 of the plain
-  rate in probes). Plain steps and static policy blocks are left out.
+  argmax of noisy averages picking their noise. A probe verifies every draft, so its levels price full
+  verification where the plan's price the budget's cut (imputed deeper levels extend only the requests verified
+  to the end): "probe" running high mixes that difference with any error of the imputation (thirty-seventh
+  session, batch 16 and 32: depth 4 +0.14-0.16 of the plain rate). Plain steps and static policy blocks are left
+  out.
 
 Reporting only; plain Python, no vLLM.
 """

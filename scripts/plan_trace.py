@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python scripts/profile_tree_step.py --methods echo-auto --batch-sizes 64 --limit 256 \\
         --max-tokens 64 --work DIR
-    python scripts/plan_trace.py --last 182 DIR/echo-auto-64-0/steps.jsonl
+    python scripts/plan_trace.py --last 182 DIR/echo-auto-64-0/steps.jsonl [more jobs' step logs]
 
 --last N keeps the last N lines (the timed generate: profile_tree_step prints its step count; the log also holds
 the warm-up generate). Attribution as in scripts/policy_blocks.py: line t carries the proposer time of step t - 1
@@ -99,14 +99,16 @@ def summarise(steps: list[dict]) -> dict[str, dict]:
     return table
 
 
-def optimism(lines: list[dict]) -> dict[int, dict]:
+def optimism(*runs: list[dict]) -> dict[int, dict]:
     """Per depth d >= 1: the mean and count of (value held - value realised) over the auto steps that drafted d
-    ("chosen"), deeper ("other_measured"), shallower ("other_imputed"), and over probes drafting at least d ("probe").
+    ("chosen"), deeper ("other_measured"), shallower ("other_imputed"), and over probes drafting at least d ("probe"),
+    pooled over the runs (each one job's lines: no pair crosses from one job into the next).
     Line t's values planned step t; line t + 1's level rates are step t's verified selection in hindsight (the same
     scale: relative to plain decoding)."""
     groups = ("chosen", "other_measured", "other_imputed", "probe")
     sums: dict[int, dict[str, list[float]]] = defaultdict(lambda: {g: [] for g in groups})
-    for before, after in zip(lines, lines[1:]):
+    pairs = [pair for lines in runs for pair in zip(lines, lines[1:])]
+    for before, after in pairs:
         values, realised = before.get("depth_values"), after.get("level_rates")
         depth, kind = before.get("drafted_depth", 0), kind_of(before)
         if kind == "plain" or before.get("policy", "auto") != "auto":
@@ -129,23 +131,28 @@ def optimism(lines: list[dict]) -> dict[int, dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("step_log", type=Path)
+    parser.add_argument("step_logs", type=Path, nargs="+", help="one job's step log each")
     parser.add_argument("--last", type=int, default=0, help="keep the last N lines (0: every auto-phase line)")
     args = parser.parse_args()
-    lines = read_step_log(args.step_log)
-    lines = lines[-args.last :] if args.last > 0 else [r for r in lines if r.get("phase") == "auto"]
-    plan = plan_string(lines)
-    for start in range(0, len(plan), 64):
-        batches = " ".join(f"{r['batch']:>3}" for r in lines[start : start + 64 : 16])
-        print(f"{start:>5} {plan[start : start + 64]:<64}  batch every 16: {batches}")
-    steps = attributed_steps(lines)
-    print(f"{len(steps)} steps, {sum(s['seconds'] for s in steps):.2f} s, "
-          f"{sum(s['emitted'] for s in steps) / max(1e-9, sum(s['seconds'] for s in steps)):.1f} tok/s")  # fmt: skip
-    for kind, row in summarise(steps).items():
-        print(f"  {kind:<6} {json.dumps(row)}")
-    print("  optimism (value held - realised; chosen, drafted deeper, drafted shallower, probes):")
-    for depth, row in optimism(lines).items():
-        print(f"    d{depth} {json.dumps(row)}")
+    runs = []
+    for path in args.step_logs:
+        lines = read_step_log(path)
+        lines = lines[-args.last :] if args.last > 0 else [r for r in lines if r.get("phase") == "auto"]
+        runs.append(lines)
+        print(path)
+        plan = plan_string(lines)
+        for start in range(0, len(plan), 64):
+            batches = " ".join(f"{r['batch']:>3}" for r in lines[start : start + 64 : 16])
+            print(f"{start:>5} {plan[start : start + 64]:<64}  batch every 16: {batches}")
+        steps = attributed_steps(lines)
+        print(f"{len(steps)} steps, {sum(s['seconds'] for s in steps):.2f} s, "
+              f"{sum(s['emitted'] for s in steps) / max(1e-9, sum(s['seconds'] for s in steps)):.1f} tok/s")  # fmt: skip
+        for kind, row in summarise(steps).items():
+            print(f"  {kind:<6} {json.dumps(row)}")
+    pooled = f", pooled over {len(runs)} jobs" if len(runs) > 1 else ""
+    print(f"optimism (value held - realised; chosen, drafted deeper, drafted shallower, probes{pooled}):")
+    for depth, row in optimism(*runs).items():
+        print(f"  d{depth} {json.dumps(row)}")
 
 
 if __name__ == "__main__":

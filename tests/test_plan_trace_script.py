@@ -54,3 +54,17 @@ def test_optimism_compares_a_chosen_depths_value_with_what_it_realised():
     # a depth-1 step held 1.1 for depth 2, which its level imputed at 0.9; depth 3 was imputed on both such steps
     assert table[2]["other_imputed"] == 0.2 and table[3]["other_imputed_steps"] == 2
     assert table[3]["probe"] == 0.9 and table[1]["probe"] == 0.5 and table[3]["chosen"] is None
+
+
+def test_optimism_pools_jobs_without_pairing_across_them():
+    trace = load_script("plan_trace")
+
+    def line(depth, values, realised):
+        return {"phase": "auto", "policy": "auto", "batch": 2, "drafted_depth": depth, "probe": False,
+                "depth_values": values, "level_rates": realised}  # fmt: skip
+
+    first = [line(1, [1.0, 1.5], []), line(1, [1.0, 1.5], [1.0, 1.0])]  # held 1.5, realised 1.0
+    second = [line(1, [1.0, 1.1], [1.0, 9.0]), line(1, [1.0, 1.1], [1.0, 1.0])]  # its first line's rates are no one's
+    pooled = trace.optimism(first, second)[1]
+    assert pooled["chosen_steps"] == 2 and pooled["chosen"] == 0.3  # (0.5 + 0.1) / 2, no pair across the jobs
+    assert trace.optimism(first + second)[1]["chosen_steps"] == 3  # concatenated, a bogus pair would enter

@@ -89,11 +89,13 @@ class EchoSettings(BaseModel):
         "acceptance statistics and every depth's worth stay measured when the budget has shrunk (0 = never).",
     )
     probe_load_scale: int = Field(
-        default=0,
+        default=4,
         ge=0,
         description="k_max 'auto': when > 0, probes come every probe_interval x ceil(B / probe_load_scale) steps "
         "at batch B, so that the request-steps probed per step stay the same at every load (a probe verifies B x "
-        "depth drafts); 0 = every probe_interval steps at any load.",
+        "depth drafts, a cost that grows with B where verification is linear in tokens); 0 = every probe_interval "
+        "steps at any load. The default 4 keeps batch 1-4 at probe_interval (there a probe is what lifts a plan "
+        "out of a hard stretch) and spaces probes out from batch 5 up (docs/benchmarks.md, thirty-eighth session).",
     )
     probe_depth: Literal["full", "next"] = Field(
         default="next",

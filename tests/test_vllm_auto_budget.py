@@ -19,7 +19,9 @@ from echo_vllm.vllm.step_log import read_step_log
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 MAX_TOKENS = 40
-ECHO = {"k_max": "auto", "warmup_steps": 8, "profile_steps": 8, "min_samples_per_class": 2}
+# probe_load_scale 0: a probe every 16 steps at any batch (the default spaces them out from batch 5 up), so that
+# these short jobs at batch 8 and 32 run the probe paths whose losslessness and shape they check.
+ECHO = {"k_max": "auto", "warmup_steps": 8, "profile_steps": 8, "min_samples_per_class": 2, "probe_load_scale": 0}
 
 
 @pytest.fixture(scope="module")

@@ -95,7 +95,8 @@ class EchoSettings(BaseModel):
         "at batch B, so that the request-steps probed per step stay the same at every load (a probe verifies B x "
         "depth drafts, a cost that grows with B where verification is linear in tokens); 0 = every probe_interval "
         "steps at any load. The default 4 keeps batch 1-4 at probe_interval (there a probe is what lifts a plan "
-        "out of a hard stretch) and spaces probes out from batch 5 up (docs/benchmarks.md, thirty-eighth session).",
+        "out of a hard stretch) and spaces probes out from batch 5 up (docs/benchmarks.md, thirty-eighth session). "
+        "A plan at plain decoding probes every probe_interval steps at any load (its only way back to drafting).",
     )
     probe_depth: Literal["full", "next"] = Field(
         default="next",

@@ -421,6 +421,31 @@ def test_probes_come_every_interval_or_scaled_by_the_load():
     assert DraftController(3, probe_interval=0, probe_load_scale=4).probe_every(64) == 0
 
 
+def test_a_plan_at_plain_probes_every_interval_at_any_load():
+    """With probe_load_scale S > 0, a load slot whose plan chose plain decoding probes every probe_interval steps
+    (its probes are its only way back to drafting); once it drafts again, the scaled interval returns."""
+    control = DraftController(3, probe_interval=8, probe_load_scale=4, alpha=1.0)
+    batch = 64
+    for _ in range(40):  # enough measured request-steps; plain worth most
+        control.observe_levels([1.0, 0.8, 0.7, 0.6], batch)
+    assert control.probe_every(batch) == 8 * 16  # no plan chosen yet in this slot: scaled
+    assert control.plan(batch, 4 * batch) == DraftPlan(0, 2 * batch, False)
+    control.observe(0)
+    assert control.probe_every(batch) == 8
+    assert control.probe_every(16) == 8 * 4  # another load slot keeps its own scaled interval
+    probes = []
+    for t in range(1, 30):
+        plan = control.plan(batch, 4 * batch)
+        if plan.probe:
+            probes.append(t)
+        control.observe(0)
+    assert probes == [7, 15, 23]  # every 8 steps from the start (scaled: none before step 127)
+    for _ in range(3):  # drafting pays again: the plan leaves plain, and the scaled interval returns
+        control.observe_levels([1.0, 1.5, 1.2, 1.1], batch)
+    assert control.plan(batch, 4 * batch).depth == 1
+    assert control.probe_every(batch) == 8 * 16
+
+
 def test_load_slots_keep_the_usual_batch_sizes_inside():
     from echo_vllm.core.auto_budget import load_bucket
 

@@ -407,10 +407,17 @@ class DraftController:
     def probe_every(self, batch: int) -> int:
         """Steps between probes at `batch`: `probe_interval`, or with `probe_load_scale` S > 0 that times
         ceil(B / S), so that the request-steps a probe adds per step stay the same at every load (a probe drafts
-        B x D nodes and verifies them all, a cost that grows with B where verification is linear in tokens)."""
+        B x D nodes and verifies them all, a cost that grows with B where verification is linear in tokens).
+
+        A plan that decodes plain in this load slot probes every `probe_interval` steps whatever the load: there
+        probes are its only measurements and the only way back to drafting, and a probe costs little next to a
+        plain step that is worth about as much as drafting (otherwise it would not be plain). Scaled, batch 256
+        waited 1024 steps between looks, long enough to miss a whole easy phase of the workload; on the testbed
+        at batch 64, where the plan sits at plain on most steps, the unscaled interval ran level with the scaled
+        one (0.998 in paired rounds, docs/benchmarks.md, thirty-eighth session)."""
         if self.probe_interval <= 0:
             return 0
-        if self.probe_load_scale <= 0:
+        if self.probe_load_scale <= 0 or self._current.get(load_bucket(batch)) == 0:
             return self.probe_interval
         return self.probe_interval * max(1, math.ceil(batch / self.probe_load_scale))
 

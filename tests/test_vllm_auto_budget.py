@@ -86,6 +86,10 @@ def test_auto_greedy_identical_through_every_phase(prompts, tmp_path, max_num_se
     auto_steps = [s for s in steps if s["phase"] == "auto"]
     assert all(len(s["depth_values"]) == DEPTH + 1 for s in auto_steps)
     assert all(s["level_rates"][0] == 1.0 for s in auto_steps if s["level_rates"])
+    assert all(
+        len(s["continuation_rates"]) == DEPTH and all(0.0 < r < 1.0 for r in s["continuation_rates"])
+        for s in auto_steps
+    )
     # The cost model's step at the step's batch per draft depth (diagnostics: how the fit drifts between refits).
     assert all(len(s["model_ms"]) == DEPTH + 1 and min(s["model_ms"]) > 0 for s in auto_steps)
     # depth_values are the plan's load slot's (None where that slot has no measurement yet)

@@ -497,6 +497,10 @@ class TimeAwareBudget:
                 self._tried[d] = keep**t * self._tried[d] + t
                 self._passed[d] = keep**t * self._passed[d] + a
 
+    def continuation_rates(self) -> list[float]:
+        """The continuation rates the depth plan imputes undrafted depths from (the step log records them)."""
+        return self._continuation_rates()
+
     def _continuation_rates(self) -> list[float]:
         """P(accept depth j | reached j - 1) per depth: each depth's counts shrunk towards the rate pooled over all
         depths (a depth no probe reached yet takes the pooled rate)."""

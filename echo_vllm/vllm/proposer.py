@@ -1439,7 +1439,12 @@ class EchoProposer(EagleProposer):
         model_ms = None
         if self.budget is not None:  # the depth plan's view: each depth's value, and what the last verified step added
             controller = self.budget.controller
-            rounded = {"depth_values": controller.value, "level_rates": controller.last_levels}
+            rounded = {
+                "depth_values": controller.value,
+                "level_rates": controller.last_levels,
+                # P(accept depth j | reached j - 1), j = 1..D: what this step's plan imputes undrafted depths from
+                "continuation_rates": self.budget.continuation_rates(),
+            }
             cost = self.budget.cost_model
             if cost is not None and batch > 0:  # the current fit's step at this batch, every draft of depth d verified
                 model_ms = functools.partial(

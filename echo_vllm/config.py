@@ -161,12 +161,14 @@ class EchoSettings(BaseModel):
         "(e.g. the batch shrinking as a queue drains into loads last seen long ago); 0 = every slot keeps its own "
         "values however old.",
     )
-    continuation_memory: Literal["tries", "steps"] = Field(
+    continuation_memory: Literal["tries", "steps", "slots"] = Field(
         default="steps",
         description="k_max 'auto': how the depth plan's continuation rates P(accept depth j | reached j - 1) forget: "
         "'tries' = per try of that depth (a depth the plan does not draft keeps its old rate until probes replace "
         "it); 'steps' = per verified request-step, every depth alike (a rarely tried depth leans on the pooled rate "
-        "of recent steps).",
+        "of recent steps); 'slots' = 'steps' kept per load slot as well (the batch-size slots of the depth plan), "
+        "each shrunk towards the global rates, so that a drain's few hardest requests do not set the rates a full "
+        "batch's plan values its undrafted depths from.",
     )
     defer_plain_head: bool = Field(
         default=True,

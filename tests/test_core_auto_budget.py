@@ -1348,3 +1348,33 @@ def test_step_memory_lets_a_depth_only_probes_reach_forget_a_stretch_long_past()
                         continuation_memory="forever")  # fmt: skip
     with pytest.raises(ValueError, match="continuation_memory"):
         EchoSettings(continuation_memory="forever")
+
+
+def _rates_after_a_full_batch_then_its_drain(memory: str) -> tuple[list[float], list[float]]:
+    """20 steps at batch 8 where every request accepts depths 1 and 2 (rate 1 at both), then a drain of 100 steps
+    at batch 1 whose request accepts depth 1 and is rejected at 2 (rate 0 at depth 2): the continuation rates the
+    batch-8 and batch-1 load slots then impute from."""
+    from echo_vllm.core.cost_model import CostModel
+    from echo_vllm.core.time_budget import TimeAwareBudget
+
+    budget = TimeAwareBudget(
+        3, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None, continuation_memory=memory
+    )
+    budget.cost_model = CostModel((1.0, 64.0), (1.0, 2.0), 0.0, (0.0, 0.0, 0.1, 0.0), 0.0, 4)
+    for _ in range(20):
+        budget.observe_verification(torch.full((8,), 2, dtype=torch.long), torch.tensor([[1, 2]] * 8), 8, 2)
+    for _ in range(100):
+        budget.observe_verification(torch.ones(1, dtype=torch.long), torch.tensor([[1, 2]]), 1, 2)
+    return budget.continuation_rates(8), budget.continuation_rates(1)
+
+
+def test_slot_memory_keeps_a_drains_hard_requests_out_of_the_full_batchs_rates():
+    """continuation_memory 'slots': the counts are kept per load slot too (on the global clock), so a full batch's
+    plan values its undrafted depths from its own slot's steps, not from the drain that came after; 'steps' pools
+    them (the drain's 100 request-steps outweigh the batch's older 160); the drain's own slot sees its rate."""
+    full_pooled, _ = _rates_after_a_full_batch_then_its_drain("steps")
+    full_slot, drain_slot = _rates_after_a_full_batch_then_its_drain("slots")
+    assert full_pooled[1] < 0.45  # the drain's rejections set depth 2's rate for batch 8 too
+    assert full_slot[1] > 0.7  # batch 8's own steps: every depth-2 draft accepted
+    assert drain_slot[1] < 0.15  # the drain's slot: rejected every time
+    assert full_slot[0] > 0.95 and drain_slot[0] > 0.95  # depth 1 accepted everywhere

@@ -27,6 +27,7 @@ from .acceptance import WIDTH_LOG_FLOOR, AcceptanceModel
 from .auto_budget import (
     DraftController,
     DraftPlan,
+    load_bucket,
     priority_rank,
     select_auto,
     select_by_rank,
@@ -176,8 +177,8 @@ class TimeAwareBudget:
         self.surplus_tail = surplus_tail
         self.profile_path = profile_path
         self.plain_hindsight = plain_hindsight
-        if continuation_memory not in ("tries", "steps"):
-            raise ValueError(f"continuation_memory must be 'tries' or 'steps'; got {continuation_memory!r}")
+        if continuation_memory not in ("tries", "steps", "slots"):
+            raise ValueError(f"continuation_memory must be 'tries', 'steps' or 'slots'; got {continuation_memory!r}")
         self.continuation_memory = continuation_memory
         if plain_head_rows not in ("batch", "measured"):
             raise ValueError(f"plain_head_rows must be 'batch' or 'measured'; got {plain_head_rows!r}")
@@ -212,6 +213,9 @@ class TimeAwareBudget:
         self._next_refit = REFIT_INTERVAL  # `steps_seen` of the next refit in the auto phase
         self._tried = [0.0] * max_depth  # continuation counts per depth 1..D (decayed)
         self._passed = [0.0] * max_depth
+        # continuation_memory "slots": the same counts per load slot (`load_bucket`), faded on the same clock
+        self._slot_tried: dict[int, list[float]] = {}
+        self._slot_passed: dict[int, list[float]] = {}
         # Warm-up steps' level counts (batch, emitted, nodes, verified to end, accepted to end), kept until the cost
         # model can price them (`observe_sweep`): the depth plan's first values.
         self._seed_levels: deque[tuple[int, list[int], list[int], int, int, float]] = deque(maxlen=SEED_STEPS)
@@ -380,7 +384,7 @@ class TimeAwareBudget:
         )
         if nodes_h[drafted] == 0:  # drafted, but the budget verified nothing: a plain step
             return self.observe_plain(batch)
-        self._count_continuation(tried_h, passed_h)
+        self._count_continuation(tried_h, passed_h, batch)
         self._observe_levels(batch, emitted_h, nodes_h, verified_to_end, accepted_to_end, self.context)
 
     def observe_sweep(
@@ -416,7 +420,7 @@ class TimeAwareBudget:
         emitted_h, nodes_h, tried_h, passed_h, verified_to_end, accepted_to_end = level_counts_from_histograms(
             histograms, drafted
         )
-        self._count_continuation(tried_h, passed_h)
+        self._count_continuation(tried_h, passed_h, batch)
         if not full or nodes_h[drafted] == 0 or verified_to_end < requests:
             return  # a request cut short (e.g. by the scheduler's token budget) would cap the deeper levels
         if self.cost_model is None:
@@ -453,7 +457,7 @@ class TimeAwareBudget:
         assert cost is not None
         drafted = len(emitted_h) - 1
         emitted_h, nodes_h = list(emitted_h), list(nodes_h)
-        rates = self._continuation_rates()
+        rates = self._continuation_rates(batch)
         expected_extra = 0.0
         reach_p = 1.0
         for d in range(drafted + 1, self.max_depth + 1):  # imputed levels
@@ -472,7 +476,7 @@ class TimeAwareBudget:
         # Relative to the step's own plain-decoding rate: steps of different batch sizes average on one scale.
         self.controller.observe_levels([r / max(rates_per_level[0], 1e-12) for r in rates_per_level], batch)
 
-    def _count_continuation(self, tried: list[int], passed: list[int]) -> None:
+    def _count_continuation(self, tried: list[int], passed: list[int], batch: int | None = None) -> None:
         """Decayed counts of the continuation events, memory ~ 1 / CONTINUATION_DECAY request-steps: 'tries' counts a
         depth's own tries (a depth the plan does not draft keeps its counts until probes replace them); 'steps'
         every verified request-step (tried[0]: every verified request tries depth 1), for every depth, so that a
@@ -483,29 +487,57 @@ class TimeAwareBudget:
         valued depth 2 from that rate ~8 % below depth 1 and stayed there (probes add ~12 tries in 16 steps against
         a memory of ~100), where static depth 2 ran ~5 % faster."""
         keep = 1.0 - CONTINUATION_DECAY
-        if self.continuation_memory == "steps":
+        if self.continuation_memory in ("steps", "slots"):
             fade = keep ** (tried[0] if tried else 0)
-            for d in range(len(self._tried)):
-                self._tried[d] *= fade
-                self._passed[d] *= fade
-            for d, (t, a) in enumerate(zip(tried, passed)):
-                self._tried[d] += t
-                self._passed[d] += a
+            slot = load_bucket(batch) if self.continuation_memory == "slots" and batch is not None else None
+            if slot is not None and slot not in self._slot_tried:
+                self._slot_tried[slot] = [0.0] * self.max_depth
+                self._slot_passed[slot] = [0.0] * self.max_depth
+            counts = [(self._tried, self._passed)] + [
+                (self._slot_tried[k], self._slot_passed[k]) for k in self._slot_tried
+            ]  # every slot fades on the global clock: a slot not seen for long falls back to the global rates
+            for tried_d, passed_d in counts:
+                for d in range(len(tried_d)):
+                    tried_d[d] *= fade
+                    passed_d[d] *= fade
+            for tried_d, passed_d in counts[:1] + (
+                [(self._slot_tried[slot], self._slot_passed[slot])] if slot is not None else []
+            ):
+                for d, (t, a) in enumerate(zip(tried, passed)):
+                    tried_d[d] += t
+                    passed_d[d] += a
             return
         for d, (t, a) in enumerate(zip(tried, passed)):
             if t:
                 self._tried[d] = keep**t * self._tried[d] + t
                 self._passed[d] = keep**t * self._passed[d] + a
 
-    def continuation_rates(self) -> list[float]:
-        """The continuation rates the depth plan imputes undrafted depths from (the step log records them)."""
-        return self._continuation_rates()
+    def continuation_rates(self, batch: int | None = None) -> list[float]:
+        """The continuation rates the depth plan imputes undrafted depths from at `batch` (the step log records
+        them)."""
+        return self._continuation_rates(batch)
 
-    def _continuation_rates(self) -> list[float]:
+    def _continuation_rates(self, batch: int | None = None) -> list[float]:
         """P(accept depth j | reached j - 1) per depth: each depth's counts shrunk towards the rate pooled over all
-        depths (a depth no probe reached yet takes the pooled rate)."""
+        depths (a depth no probe reached yet takes the pooled rate). With continuation_memory "slots" and a batch:
+        the batch's load slot's counts, shrunk towards those global rates.
+
+        Why slots: the rates value the depths a step did not draft, and a plan that drafts shallow measures them
+        only through these rates. On the testbed each job's warm-up ended in its drain (batch 5 -> 1: the last and
+        hardest requests), which left the depth-2 rate at 0.36 where the full batch's steps measure ~0.8; the
+        timed job's batch-8 plan opened at depth 1, valued depth 2-4 from that rate below depth 1, and stayed there
+        for 17-30 steps (docs/benchmarks.md, thirty-ninth session)."""
         pooled = (sum(self._passed) + CONTINUATION_PRIOR * 0.5) / (sum(self._tried) + CONTINUATION_PRIOR)
-        return [(a + CONTINUATION_PRIOR * pooled) / (t + CONTINUATION_PRIOR) for t, a in zip(self._tried, self._passed)]
+        rates = [
+            (a + CONTINUATION_PRIOR * pooled) / (t + CONTINUATION_PRIOR) for t, a in zip(self._tried, self._passed)
+        ]
+        if self.continuation_memory != "slots" or batch is None:
+            return rates
+        slot = load_bucket(batch)
+        tried, passed = self._slot_tried.get(slot), self._slot_passed.get(slot)
+        if tried is None or passed is None:
+            return rates
+        return [(a + CONTINUATION_PRIOR * g) / (t + CONTINUATION_PRIOR) for t, a, g in zip(tried, passed, rates)]
 
     def plain_head_seconds(self, batch: int) -> float:
         """The head work a plain step of `batch` requests defers (`defer_plain_head`): h x the rows it defers.

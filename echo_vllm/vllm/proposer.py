@@ -1443,7 +1443,7 @@ class EchoProposer(EagleProposer):
                 "depth_values": controller.value,
                 "level_rates": controller.last_levels,
                 # P(accept depth j | reached j - 1), j = 1..D: what this step's plan imputes undrafted depths from
-                "continuation_rates": self.budget.continuation_rates(),
+                "continuation_rates": self.budget.continuation_rates(batch),
             }
             cost = self.budget.cost_model
             if cost is not None and batch > 0:  # the current fit's step at this batch, every draft of depth d verified

@@ -413,8 +413,8 @@ class DraftController:
         probes are its only measurements and the only way back to drafting, and a probe costs little next to a
         plain step that is worth about as much as drafting (otherwise it would not be plain). Scaled, batch 256
         waited 1024 steps between looks, long enough to miss a whole easy phase of the workload; on the testbed
-        at batch 64, where the plan sits at plain on most steps, the unscaled interval ran level with the scaled
-        one (0.998 in paired rounds, docs/benchmarks.md, thirty-eighth session)."""
+        at batch 64, where the plan sits at plain on most steps, this rule ran 1.011 of the scaled one (paired
+        rounds, docs/benchmarks.md, thirty-ninth session)."""
         if self.probe_interval <= 0:
             return 0
         if self.probe_load_scale <= 0 or self._current.get(load_bucket(batch)) == 0:

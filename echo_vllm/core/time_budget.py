@@ -500,9 +500,10 @@ class TimeAwareBudget:
                 for d in range(len(tried_d)):
                     tried_d[d] *= fade
                     passed_d[d] *= fade
-            for tried_d, passed_d in counts[:1] + (
-                [(self._slot_tried[slot], self._slot_passed[slot])] if slot is not None else []
-            ):
+            added = [(self._tried, self._passed)]
+            if slot is not None:
+                added.append((self._slot_tried[slot], self._slot_passed[slot]))
+            for tried_d, passed_d in added:
                 for d, (t, a) in enumerate(zip(tried, passed)):
                     tried_d[d] += t
                     passed_d[d] += a

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from echo_vllm.core.auto_budget import (
     LevelMemory,
     choose_budget,
     drafting_can_stop,
+    drafts_below_confidence,
     load_bucket,
     priority_rank,
     select_auto,
@@ -230,6 +232,20 @@ def test_early_exit_fires_when_the_budget_is_full_and_not_before():
     # Every frontier invalid: nothing deeper exists.
     dead = torch.zeros((2, 1), dtype=torch.bool)
     assert bool(drafting_can_stop(tree.scores[:, :1], dead, gates, 5, surplus_tail=True))
+
+
+def test_the_confidence_stop_needs_every_kept_row_below_the_threshold():
+    """draft_stop_confidence: the loop stops only when no kept row's frontier reaches the threshold (a deeper node
+    never scores above its frontier); discarded rows do not keep it going, NaN rows do (never read as low)."""
+    threshold = math.log(0.1)
+    low_high = torch.log(torch.tensor([0.05, 0.3]))
+    assert not drafts_below_confidence(low_high, None, threshold)  # row 1 is still worth drafting for
+    assert drafts_below_confidence(torch.log(torch.tensor([0.05, 0.09])), None, threshold)
+    assert drafts_below_confidence(low_high, torch.tensor([True, False]), threshold)  # row 1's drafts are dropped
+    assert not drafts_below_confidence(low_high, torch.tensor([False, False]), threshold)  # no row to decide on
+    assert not drafts_below_confidence(torch.tensor([math.log(0.01), float("nan")]), None, threshold)
+    # At the threshold itself the row is not below: the loop goes on.
+    assert not drafts_below_confidence(torch.tensor([threshold]), None, threshold)
 
 
 # -- the draft plan ------------------------------------------------------------------------------------------------

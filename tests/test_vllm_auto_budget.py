@@ -7,6 +7,7 @@ same calibration and profile files loads both and goes straight to the time-awar
 
 from __future__ import annotations
 
+import math
 import types
 
 import pytest
@@ -415,3 +416,92 @@ def test_an_auto_flat_block_selects_without_the_request_history():
     assert proposer._history_rows() is None and proposer._budget_cuts
     proposer._policy, proposer._history_now = "auto", False
     assert proposer._history_rows() is None
+
+
+def _level_logits(*probabilities: float) -> torch.Tensor:
+    """Head logits [B, 64] whose argmax (token 0) has the given draft probability per row, p >= 0.02 (the rest
+    shared evenly by the other 63 tokens)."""
+    rows = [[math.log(p)] + [math.log((1.0 - p) / 63.0)] * 63 for p in probabilities]
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def test_the_confidence_stop_ends_the_draft_loop_where_every_chain_is_unlikely():
+    """draft_stop_confidence in the proposer's draft step: from depth 2 on, the loop ends (`_DraftingDone`) once
+    no row's path confidence reaches the threshold, and not while one does; switched off, it drafts on."""
+    from echo_vllm.vllm.proposer import EchoProposer, _DraftingDone
+
+    def proposer(stop: bool) -> EchoProposer:
+        p = object.__new__(EchoProposer)
+        p.model = types.SimpleNamespace(compute_logits=lambda hidden: hidden)  # the "hidden states" are logits
+        p.use_heterogeneous_vocab, p._tree_step, p._runner, p._early_cap = False, False, None, None
+        p._depth, p._draft_target = torch.arange(1, DEPTH + 1), DEPTH
+        p._echo_logps, p._echo_ids, p._echo_topk = [], [], []
+        p._stop_logp, p._confidence_stop, p.confidence_stops = math.log(0.1), stop, 0
+        return p
+
+    # Paths: row 0 0.5 -> 0.15 -> 0.075, row 1 0.3 -> 0.06 -> 0.03: both below 0.1 only after depth 3.
+    levels = [_level_logits(0.5, 0.3), _level_logits(0.3, 0.2), _level_logits(0.5, 0.5)]
+    on = proposer(stop=True)
+    on._sample_draft_tokens(levels[0], None)
+    on._sample_draft_tokens(levels[1], None)  # row 0 (0.15) is still worth a level
+    with pytest.raises(_DraftingDone):
+        on._sample_draft_tokens(levels[2], None)
+    assert on.confidence_stops == 1 and len(on._echo_ids) == 3
+    off = proposer(stop=False)
+    for logits in levels:
+        off._sample_draft_tokens(logits, None)
+    assert off.confidence_stops == 0 and len(off._echo_ids) == 3
+    # Depth 1 never stops (the rule starts at depth 2), however low; the planned depth is never cut short of itself.
+    low = proposer(stop=True)
+    low._sample_draft_tokens(_level_logits(0.05, 0.05), None)
+    with pytest.raises(_DraftingDone):
+        low._sample_draft_tokens(_level_logits(0.9, 0.9), None)
+    last = proposer(stop=True)
+    last._draft_target = 2
+    last._sample_draft_tokens(_level_logits(0.05, 0.05), None)
+    last._sample_draft_tokens(_level_logits(0.05, 0.05), None)  # depth 2 is the planned depth: nothing to save
+    assert last.confidence_stops == 0
+
+
+def test_the_confidence_stop_applies_to_time_aware_chain_steps_only():
+    """Probes (full or partial), warm-up and profile steps, policy blocks, trees, CUDA and plans of depth <= 2
+    draft their full depth; a time-aware chain step 3+ deep may stop."""
+    from echo_vllm.core.auto_budget import DraftPlan
+    from echo_vllm.vllm.proposer import EchoProposer
+
+    p = object.__new__(EchoProposer)
+    p._stop_logp, p._tree_step, p._probe_rows, p._policy = math.log(0.1), False, None, "auto"
+    p._plan = DraftPlan(DEPTH, 8 * DEPTH, False)
+    p.calibration, p.echo_settings = object(), types.SimpleNamespace(warmup_steps=8)
+    p.budget = types.SimpleNamespace(phase=lambda warming_up: "auto")
+    assert p._confidence_stop_applies(DEPTH, on_cpu=True)
+    assert p._confidence_stop_applies(3, on_cpu=True) and not p._confidence_stop_applies(2, on_cpu=True)
+    assert not p._confidence_stop_applies(DEPTH, on_cpu=False)
+    for change in (
+        {"_plan": DraftPlan(DEPTH, 8 * DEPTH, True)},
+        {"_probe_rows": torch.ones(8, dtype=torch.bool)},
+        {"_policy": "static:3"},
+        {"_tree_step": True},
+        {"_stop_logp": None},
+        {"budget": types.SimpleNamespace(phase=lambda warming_up: "profile")},
+    ):
+        q = object.__new__(EchoProposer)
+        q.__dict__.update({**p.__dict__, **change})
+        assert not q._confidence_stop_applies(DEPTH, on_cpu=True), change
+
+
+def test_confidence_stops_are_lossless_and_counted(prompts, tmp_path):
+    """Batch 1, chains, a high draft_stop_confidence (most chains stop at depth 2): greedy output identical to
+    no-spec; the step log shows time-aware steps that drafted less than planned, and echo_stats counts them."""
+    used = prompts[:16]
+    baseline = _run(used, 1, None)
+    step_log = tmp_path / "steps.jsonl"
+    settings = {**ECHO, "top_k": 1, "draft_stop_confidence": 0.5}
+    result, steps = run_echo(target_job(used, max_tokens=MAX_TOKENS, max_num_seqs=1), settings, step_log)
+    mismatches = [i for i, (a, b) in enumerate(zip(baseline["token_ids"], result["token_ids"])) if a != b]
+    assert not mismatches, f"draft_stop_confidence 0.5: prompts {mismatches[:5]} differ from no-spec"
+    stopped = [s for s in steps if s["phase"] == "auto" and not s["probe"] and s["drafted_depth"] < s["draft_depth"]]
+    assert stopped and all(s["drafted_depth"] >= 2 for s in stopped)
+    # Probes, warm-up and profile steps drafted their full depth.
+    assert all(s["drafted_depth"] == s["draft_depth"] for s in steps if s["probe"] or s["phase"] != "auto")
+    assert result["echo_stats"]["confidence_stops"] > 0

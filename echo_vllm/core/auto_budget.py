@@ -243,6 +243,23 @@ def drafting_can_stop(
     return depth_done & tails_done
 
 
+def drafts_below_confidence(path_logps: torch.Tensor, kept: torch.Tensor | None, log_threshold: float) -> bool:
+    """Whether every kept row's chain so far has a path log-probability below `log_threshold` (ECHO's
+    `draft_stop_confidence`): then the draft loop stops, as no node deeper than these is worth a draft level.
+
+    path_logps [B]: each row's cumulative draft log-prob through the deepest drafted level (its depth
+    confidence, in logs); kept [B] bool or None (every row): rows whose drafts vLLM keeps. A deeper node's path
+    score is at most its frontier's (log-probs <= 0), so once every frontier is below the threshold every deeper
+    node is too. NaN rows never count as below (the loop goes on); no kept row: False (nothing to decide on).
+    A host decision on CPU tensors (no device sync there; the proposer applies it on CPU only)."""
+    below = path_logps < log_threshold  # NaN compares False: such a row keeps the loop going
+    if kept is not None:
+        if not bool(kept.any()):
+            return False
+        below = below | ~kept
+    return bool(below.all())
+
+
 class DraftPlan(NamedTuple):
     depth: int  # draft depth for this step (0 = no drafts, the drafter's first pass still runs)
     k_cap: int  # at most this many candidates may be verified

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -41,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from echo_vllm.core.auto_budget import DraftPlan, drafting_can_stop
+from echo_vllm.core.auto_budget import DraftPlan, drafting_can_stop, drafts_below_confidence
 from echo_vllm.core.budget import BudgetSelection, add_surplus_tails, compact_selection
 from echo_vllm.core.budget_profile import default_profile_path
 from echo_vllm.core.calibration import Calibration, CalibrationRecorder, calibrate
@@ -188,6 +189,9 @@ class EchoProposer(EagleProposer):
     _probe_rows: torch.Tensor | None = None
     history: RequestHistory | None = None  # request_history's per-request averages (None: off)
     _history_now = False  # this step's rows are the history's (aligned in `_before_drafting`)
+    _stop_logp: float | None = None  # draft_stop_confidence in logs (None: off)
+    _confidence_stop = False  # this step's draft loop may end at draft_stop_confidence (`_draft`)
+    confidence_stops = 0  # steps whose draft loop draft_stop_confidence ended early (echo_stats)
 
     def __init__(self, vllm_config, device, runner=None):
         super().__init__(vllm_config, device, runner)
@@ -323,6 +327,8 @@ class EchoProposer(EagleProposer):
         self._step_start: float | None = None
         self._last_end: float | None = None
         self._early_cap: int | None = None  # candidate cap of the early-exit test in this step's draft loop
+        stop = self.echo_settings.draft_stop_confidence
+        self._stop_logp = math.log(stop) if stop > 0 else None
         self._draft_target = 0
         self._step_tokens = 0
         self._step_context = 0
@@ -429,6 +435,9 @@ class EchoProposer(EagleProposer):
             draft_ids = self.vocab_mapping.map_draft_to_target_ids(draft_ids)
         self._echo_ids.append(draft_ids)
         drafted = len(self._echo_ids)
+        if self._confidence_stop and 2 <= drafted < self._draft_target and self._below_stop_confidence():
+            self.confidence_stops += 1
+            raise _DraftingDone
         # The test can only pass once B x drafted >= k_cap (it needs k_cap candidates ahead of every frontier), so
         # below that it is skipped: its dozen small ops per depth cost more than they save at small batches.
         if (
@@ -439,6 +448,32 @@ class EchoProposer(EagleProposer):
         ):
             raise _DraftingDone
         return draft_ids, None
+
+    def _confidence_stop_applies(self, depth: int, on_cpu: bool) -> bool:
+        """Whether this step's draft loop may end at draft_stop_confidence: CPU chains (the test reads the
+        log-probs on the host; on CUDA that read would be a sync inside the loop), drafting 3 or more deep (the test
+        runs from depth 2 on), a time-aware step that is no probe (a probe, partial ones too, measures every depth
+        it drafts; warm-up and profile steps draft what their sweeps need; ECHO_VLLM_POLICY_BLOCKS' blocks hold
+        their depth)."""
+        return (
+            self._stop_logp is not None
+            and on_cpu
+            and depth > 2
+            and not self._tree_step
+            and not self._plan.probe
+            and self._probe_rows is None
+            and self._policy in AUTO_POLICIES
+            and self.phase == "auto"
+        )
+
+    def _below_stop_confidence(self) -> bool:
+        """Every kept row's chain so far has a path confidence below draft_stop_confidence (CPU tensors: the host
+        read is not a device sync)."""
+        assert self._stop_logp is not None
+        logps = self._echo_logps
+        path = sum(logps[1:], logps[0])  # each row's cumulative log-prob through the deepest drafted level
+        batch = min(path.shape[0], self._runner.input_batch.num_reqs) if self._runner is not None else path.shape[0]
+        return drafts_below_confidence(path[:batch], self._kept_rows_unless_all(batch), self._stop_logp)
 
     def _can_stop(self) -> bool:
         """The exact early-exit test on the depths drafted so far (CPU tensors: the .item() is not a device sync)."""
@@ -544,6 +579,7 @@ class EchoProposer(EagleProposer):
             return self._no_drafts()
         finally:
             self._early_cap = None
+            self._confidence_stop = False
             self._last_leaf_accepts = 0  # set by the next tree step's compaction
         if not self._feedback_faulted:
             self.faults.record_success()
@@ -558,6 +594,7 @@ class EchoProposer(EagleProposer):
         on_cpu = self._depth.device.type == "cpu"
         # The early-exit test is exact for chains only (a tree's deeper siblings rank after every spine node).
         self._early_cap = plan.k_cap if (on_cpu and depth > 1 and not self._tree_step) else None
+        self._confidence_stop = self._confidence_stop_applies(depth, on_cpu)
         self._defer_head_now = depth == 0 and self.deferred_head is not None
         if self._defer_head_now and self._defer_newest_rows(kwargs):
             self._defer_head_now = False
@@ -1479,6 +1516,7 @@ class EchoProposer(EagleProposer):
             "trees": self.tree_mode,
             "tree_moved": self.tree_leaf_accepts,  # accepted nodes off the spine (their KV moved)
             "tree_chain_fallbacks": self.tree_chain_fallbacks,
+            "confidence_stops": self.confidence_stops,  # steps whose draft loop draft_stop_confidence ended early
             "tree_plan_mismatches": self.tree_plan_mismatches,
             "deferred_head": self.deferred_head.summary() if self.deferred_head is not None else None,
             "prompt_rows_cut": self.prompt_rows_cut,  # prompt rows the head's first pass left out (prompt_head_window)
@@ -1497,6 +1535,7 @@ class EchoProposer(EagleProposer):
         if self.deferred_head is not None:
             self.deferred_head.reset_counters()
         self.prompt_rows_cut = self.prompt_rows_kv = 0
+        self.confidence_stops = 0
 
     def format_stats(self) -> str:
         return format_stats_line(self.echo_stats())

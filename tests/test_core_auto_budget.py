@@ -861,6 +861,26 @@ def test_a_probe_verifies_every_draft_even_where_nothing_pays():
     assert plain.counts.tolist() == [0, 0] and probe.counts.tolist() == [3, 3]
 
 
+def test_a_step_the_confidence_stop_ended_values_deeper_depths_as_its_own():
+    """draft_stop_confidence ended the loop at depth 2 of a planned 4: a plan 3 or 4 deep would have stopped there
+    too (the test reads only the drafts), so depths 3 and 4 are worth what depth 2 was - the same tokens and the
+    same drafting - not levels imputed from the continuation rates with two more draft levels to pay."""
+    from echo_vllm.core.cost_model import CostModel
+    from echo_vllm.core.time_budget import TimeAwareBudget
+
+    cheap = CostModel((1.0, 2.0, 4.0, 8.0), (1.0, 1.0, 1.0, 1.0), 0.0, (0.0, 0.0, 0.1, 0.0), 0.0, 4)
+    values = {}
+    for stopped in (True, False):
+        budget = TimeAwareBudget(4, profile_steps=4, probe_interval=0, surplus_tail=True, profile_path=None)
+        budget.cost_model = cheap
+        budget.observe_verification(torch.tensor([2]), torch.tensor([[1, 2]]), 1, 2, stopped=stopped)
+        values[stopped] = budget.controller.value
+    # 1 + min(accepted, d) tokens for 1 + 0.1 d seconds (drafting priced at depth 2 past the stop)
+    expected = [1 / 1.0, 2 / 1.1, 3 / 1.2, 3 / 1.2, 3 / 1.2]
+    assert values[True] == pytest.approx(expected, rel=1e-6)
+    assert values[False][3] != pytest.approx(values[False][2])  # without the stop: imputed, and priced deeper
+
+
 def test_depths_deeper_than_drafted_are_imputed_from_the_continuation_rates():
     """A step that drafted 2 of 4 depths still values depths 3 and 4 (the plan compares every level on the same
     step): requests verified to depth 2 pay the deeper nodes, and those that accepted both go on with the measured

@@ -185,7 +185,7 @@ def test_fused_chain_feedback_equals_the_op_by_op_path(sweep):
         return proposer
 
     gen = torch.Generator().manual_seed(7)
-    fused, op_by_op = proposer_state(), proposer_state()
+    fused, op_by_op, never_stopped = proposer_state(), proposer_state(), proposer_state()
     for step in range(12):
         batch = 3 + step % 4
         ids = [f"r{i}" for i in range(batch)]
@@ -200,10 +200,18 @@ def test_fused_chain_feedback_equals_the_op_by_op_path(sweep):
         tokens = torch.randint(0, 100, (batch, DEPTH + 1), generator=gen)
         sampled = torch.where(torch.arange(DEPTH + 1) < emitted.unsqueeze(1), tokens, torch.full_like(tokens, -1))
         metadata = types.SimpleNamespace(num_draft_tokens=num_draft)
-        for proposer, dtype in ((fused, torch.int32), (op_by_op, torch.int16)):
+        stopped = step % 4 == 1  # a draft loop draft_stop_confidence ended (its deeper levels: its own)
+        for proposer, dtype in ((fused, torch.int32), (op_by_op, torch.int16), (never_stopped, torch.int32)):
             proposer.stats.record_plan(drafted, torch.ones((), dtype=torch.float64))
             # Sweep steps' selections are the sweep's, not predicted by the budget.
-            proposer._pending = PendingVerification(ids, confidence.clone(), not sweep, drafted, sweep=sweep)
+            proposer._pending = PendingVerification(
+                ids,
+                confidence.clone(),
+                not sweep,
+                drafted,
+                sweep=sweep,
+                stopped=stopped and proposer is not never_stopped,
+            )
             proposer._observe(now, sampled.to(dtype), metadata)
         assert fused._last_accepted == op_by_op._last_accepted
     assert fused.stats.summary() == op_by_op.stats.summary()
@@ -212,6 +220,10 @@ def test_fused_chain_feedback_equals_the_op_by_op_path(sweep):
     assert fused.budget.controller.value == op_by_op.budget.controller.value
     assert fused.budget._tried == op_by_op.budget._tried and fused.budget._passed == op_by_op.budget._passed
     assert fused.budget.acceptance.seen.sum() > 0 and fused.stats.verify_steps == 12  # not vacuous
+    # The stopped steps reached the depth plan's hindsight on both paths (only steps the budget predicted feed it).
+    slots = lambda p: {k: m.value for k, m in p.budget.controller._memory.items()}  # noqa: E731 (every load slot)
+    assert slots(fused) == slots(op_by_op)
+    assert (slots(fused) != slots(never_stopped)) == (sweep == "")
 
 
 def test_chain_feedback_moves_the_request_history_of_the_verified_rows():

@@ -350,7 +350,13 @@ class TimeAwareBudget:
         self.controller.observe(budget)
 
     def observe_verification(
-        self, accepted: torch.Tensor, verified_depths: torch.Tensor, batch: int, drafted_depth: int
+        self,
+        accepted: torch.Tensor,
+        verified_depths: torch.Tensor,
+        batch: int,
+        drafted_depth: int,
+        *,
+        stopped: bool = False,
     ) -> None:
         """A verified step in hindsight, for the depth plan: accepted [R] drafts per request, verified_depths [R, N]
         the depth of each verified node (0 = none), batch the requests of that step, drafted_depth how deep it
@@ -363,15 +369,22 @@ class TimeAwareBudget:
         those that accepted all of it would have gone on with the measured continuation rates P(accept depth j |
         reached j - 1) (`_continuation_rates`, counted over every request-step that verified depth j). Without this the
         deeper levels were measured only by probes (one step in 16, an average over one noisy step each) and the
-        plan sat at a shallow depth between probes (batch 1 on the testbed: 2.3 where depth 4 is best)."""
+        plan sat at a shallow depth between probes (batch 1 on the testbed: 2.3 where depth 4 is best).
+
+        stopped: the draft loop ended at `drafted_depth` short of its plan because every chain's confidence was
+        below draft_stop_confidence; any deeper plan would have stopped there too (the test reads only the drafts,
+        which do not depend on the plan), so the deeper levels are this level, not imputed ones."""
         if self.cost_model is None or batch < 1:
             return
         if drafted_depth < 1:
             return self.observe_plain(batch)
         drafted = min(drafted_depth, self.max_depth)
-        self.observe_verification_levels(level_histograms(accepted, verified_depths, drafted).tolist(), batch, drafted)
+        histograms = level_histograms(accepted, verified_depths, drafted).tolist()
+        self.observe_verification_levels(histograms, batch, drafted, stopped=stopped)
 
-    def observe_verification_levels(self, histograms: Sequence[int], batch: int, drafted_depth: int) -> None:
+    def observe_verification_levels(
+        self, histograms: Sequence[int], batch: int, drafted_depth: int, *, stopped: bool = False
+    ) -> None:
         """`observe_verification` from the step's level histograms on the host (`level_histograms` of its accepted
         drafts and verified depths at min(drafted_depth, D), or `echo::chain_feedback`'s)."""
         if self.cost_model is None or batch < 1:
@@ -385,7 +398,7 @@ class TimeAwareBudget:
         if nodes_h[drafted] == 0:  # drafted, but the budget verified nothing: a plain step
             return self.observe_plain(batch)
         self._count_continuation(tried_h, passed_h, batch)
-        self._observe_levels(batch, emitted_h, nodes_h, verified_to_end, accepted_to_end, self.context)
+        self._observe_levels(batch, emitted_h, nodes_h, verified_to_end, accepted_to_end, self.context, stopped=stopped)
 
     def observe_sweep(
         self, accepted: torch.Tensor, verified_depths: torch.Tensor, batch: int, drafted_depth: int, *, full: bool
@@ -450,9 +463,12 @@ class TimeAwareBudget:
         verified_to_end: float,
         accepted_to_end: float,
         context: float = 0.0,
+        *,
+        stopped: bool = False,
     ) -> None:
         """Level d = 0..D: the measured levels (emitted drafts and verified nodes per cut depth, up to the drafted
-        depth), the deeper ones imputed; each priced by the cost model, relative to the step's plain rate."""
+        depth), the deeper ones imputed (stopped: the drafted level itself, drafting included); each priced by the
+        cost model, relative to the step's plain rate."""
         cost = self.cost_model
         assert cost is not None
         drafted = len(emitted_h) - 1
@@ -461,6 +477,10 @@ class TimeAwareBudget:
         expected_extra = 0.0
         reach_p = 1.0
         for d in range(drafted + 1, self.max_depth + 1):  # imputed levels
+            if stopped:
+                emitted_h.append(emitted_h[drafted])
+                nodes_h.append(nodes_h[drafted])
+                continue
             reach_p *= rates[d - 1]
             expected_extra += reach_p
             emitted_h.append(emitted_h[drafted] + accepted_to_end * expected_extra)
@@ -469,7 +489,7 @@ class TimeAwareBudget:
         # the head work it defers to a later first pass (0 without defer_plain_head: nothing is deferred).
         rates_per_level = [
             (batch + emitted_h[d]) / max(cost.rest_at(batch + nodes_h[d], batch, context) + cost.verify_at(batch, nodes_h[d])
-                                         + cost.draft_seconds(batch, d)
+                                         + cost.draft_seconds(batch, min(d, drafted) if stopped else d)
                                          + (self.plain_head_seconds(batch) if d == 0 else 0.0), 1e-12)
             for d in range(len(emitted_h))
         ]  # fmt: skip

@@ -178,6 +178,7 @@ class PendingVerification:
     feeds_plan: bool = True  # its hindsight goes to the depth plan (not in ECHO_VLLM_POLICY_BLOCKS' cut:d blocks)
     sweep: str = ""  # "warmup" / "profile": a step of the time-aware budget's sweeps (`observe_sweep`)
     history: bool = False  # its rows are the request history's rows (request_history: the feedback updates them)
+    stopped: bool = False  # its draft loop ended at draft_stop_confidence (the hindsight's deeper levels: this one)
 
 
 class EchoProposer(EagleProposer):
@@ -192,6 +193,7 @@ class EchoProposer(EagleProposer):
     _stop_logp: float | None = None  # draft_stop_confidence in logs (None: off)
     _confidence_stop = False  # this step's draft loop may end at draft_stop_confidence (`_draft`)
     confidence_stops = 0  # steps whose draft loop draft_stop_confidence ended early (echo_stats)
+    _confidence_stopped = False  # this step's draft loop ended at draft_stop_confidence
 
     def __init__(self, vllm_config, device, runner=None):
         super().__init__(vllm_config, device, runner)
@@ -437,6 +439,7 @@ class EchoProposer(EagleProposer):
         drafted = len(self._echo_ids)
         if self._confidence_stop and 2 <= drafted < self._draft_target and self._below_stop_confidence():
             self.confidence_stops += 1
+            self._confidence_stopped = True
             raise _DraftingDone
         # The test can only pass once B x drafted >= k_cap (it needs k_cap candidates ahead of every frontier), so
         # below that it is skipped: its dozen small ops per depth cost more than they save at small batches.
@@ -595,6 +598,7 @@ class EchoProposer(EagleProposer):
         # The early-exit test is exact for chains only (a tree's deeper siblings rank after every spine node).
         self._early_cap = plan.k_cap if (on_cpu and depth > 1 and not self._tree_step) else None
         self._confidence_stop = self._confidence_stop_applies(depth, on_cpu)
+        self._confidence_stopped = False
         self._defer_head_now = depth == 0 and self.deferred_head is not None
         if self._defer_head_now and self._defer_newest_rows(kwargs):
             self._defer_head_now = False
@@ -1044,6 +1048,7 @@ class EchoProposer(EagleProposer):
             feeds_plan=self._policy in AUTO_POLICIES,
             sweep=self._sweep_phase(),
             history=self._history_now,
+            stopped=self._confidence_stopped,
         )
         step_sum = sum(counts)
         if self.k_max is not None and step_sum > self.k_max:  # select_budget guarantees this; never silent
@@ -1270,7 +1275,7 @@ class EchoProposer(EagleProposer):
                 # sweep says, which caps deeper levels by the sweep's cut, not by acceptance (the plan started
                 # plain at batch 1 after a profile whose fractions verified little).
                 self.budget.observe_verification(
-                    plan_accepted, plan_depths, len(pending.req_ids), pending.drafted_depth
+                    plan_accepted, plan_depths, len(pending.req_ids), pending.drafted_depth, stopped=pending.stopped
                 )
             elif pending.sweep:  # continuation rates from every sweep step; the warm-up's levels seed the plan
                 self.budget.observe_sweep(
@@ -1316,7 +1321,9 @@ class EchoProposer(EagleProposer):
             return
         levels = feedback.levels.tolist()
         if pending.predicted and pending.feeds_plan:
-            budget.observe_verification_levels(levels, len(pending.req_ids), pending.drafted_depth)
+            budget.observe_verification_levels(
+                levels, len(pending.req_ids), pending.drafted_depth, stopped=pending.stopped
+            )
         elif pending.sweep:
             budget.observe_sweep_levels(
                 levels, len(pending.req_ids), pending.drafted_depth, full=pending.sweep == "warmup",

@@ -517,3 +517,10 @@ def test_confidence_stops_are_lossless_and_counted(prompts, tmp_path):
     # Probes, warm-up and profile steps drafted their full depth.
     assert all(s["drafted_depth"] == s["draft_depth"] for s in steps if s["probe"] or s["phase"] != "auto")
     assert result["echo_stats"]["confidence_stops"] > 0
+    # The log's path confidences (scripts/confidence_stop_replay.py): one row per request, one value per drafted depth.
+    drafting = [s for s in steps if s["drafted_depth"] > 0]
+    assert drafting and all(
+        len(s["confidence"]) == s["batch"] and all(len(row) == s["drafted_depth"] for row in s["confidence"])
+        for s in drafting
+    )
+    assert all(0.0 <= c <= 1.0 for s in drafting for row in s["confidence"] for c in row)

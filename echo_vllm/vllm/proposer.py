@@ -194,6 +194,7 @@ class EchoProposer(EagleProposer):
     _confidence_stop = False  # this step's draft loop may end at draft_stop_confidence (`_draft`)
     confidence_stops = 0  # steps whose draft loop draft_stop_confidence ended early (echo_stats)
     _confidence_stopped = False  # this step's draft loop ended at draft_stop_confidence
+    _logged_confidence: list[list[float]] | None = None  # the step log's c_{i,d} of this step (None: not logged)
 
     def __init__(self, vllm_config, device, runner=None):
         super().__init__(vllm_config, device, runner)
@@ -1035,6 +1036,8 @@ class EchoProposer(EagleProposer):
             counts = counts_t.tolist()
             tokens = drafts.tolist()
             ragged = [row[:c] for row, c in zip(tokens, counts)]
+        if self._step_log:  # the debug log's depth confidences (a host copy: only with the log on)
+            self._logged_confidence = confidence.tolist()
         # [B, D] for the feedback: zero confidence past the drafted depth (one op; none when drafted to D).
         padded = (
             confidence if depth == self.max_depth else torch.nn.functional.pad(confidence, (0, self.max_depth - depth))
@@ -1478,7 +1481,11 @@ class EchoProposer(EagleProposer):
             "merged_rows": self._merged_rows,  # deferred head rows this step's first pass carried (cost sample)
             "head_cut": self._head_cut,  # prompt rows its first pass left out (prompt_head_window)
             "head_kv": self._head_cut - self._head_free,  # ... of them, rows whose K/V were written (still cost)
+            # c_{i,d} per request row and drafted depth (path confidences; [] on a step that drafted nothing):
+            # what draft_stop_confidence reads, for scripts/confidence_stop_replay.py
+            "confidence": self._logged_confidence or [],
         }
+        self._logged_confidence = None
         rounded: dict[str, Sequence[float | None]] = {}
         model_ms = None
         if self.budget is not None:  # the depth plan's view: each depth's value, and what the last verified step added

@@ -50,6 +50,8 @@ def encode(record: StepRecord) -> str:
         out[key] = [None if v is None else round(v, 4) for v in values]
     if record.model_ms is not None:
         out["model_ms"] = record.model_ms()
+    if out.get("confidence"):  # [B][d] path confidences: 6 decimals keep 2^-12 to ~0.2 % (and the line short)
+        out["confidence"] = [[round(c, 6) for c in row] for row in out["confidence"]]
     return json.dumps(out)
 
 

@@ -28,7 +28,13 @@ what that forward accepted, so all three belong to line t - 1's decision. Prints
   verification where the plan's price the budget's cut (imputed deeper levels extend only the requests verified
   to the end): "probe" running high mixes that difference with any error of the imputation (thirty-seventh
   session, batch 16 and 32: depth 4 +0.14-0.16 of the plain rate). Plain steps and static policy blocks are left
-  out.
+  out;
+- with --windows N: per window of N consecutive decisions, per drafted depth, the mean of (measured ms - the
+  model's price at that depth with every draft verified, "model_ms" of the deciding line) over the full-batch
+  decode steps, their count and the share of their drafts verified. A step the budget cut costs less than that
+  price without any mispricing, so a share below 1 biases the difference low: windows running dearer than the
+  model despite the cut are a cost model out of date between refits (the fortieth session's batch-8 window
+  trace: depth 3-4 steps 1.6-3.7 ms dearer than the model in force).
 
 Reporting only; plain Python, no vLLM.
 """
@@ -69,6 +75,7 @@ def attributed_steps(lines: list[dict]) -> list[dict]:
             "prompt": prompt_rows > 0,
             "full_decode": prompt_rows <= 0 and after["batch"] == batch,
             "verified": after.get("verified_in_forward", 0),
+            "depth": depth,
             "model_ms": model[min(depth, len(model) - 1)] if model else None,
         })  # fmt: skip
     return out
@@ -97,6 +104,31 @@ def summarise(steps: list[dict]) -> dict[str, dict]:
             "model_ms_all": round(statistics.median(priced), 2) if priced else None,
         }
     return table
+
+
+def pricing_windows(steps: list[dict], size: int) -> list[dict]:
+    """Per window of `size` consecutive decisions: its first decision's index and, per kind "d<depth>",
+    [mean measured-minus-priced ms, steps, share of the drafts verified] over the window's full-batch decode steps of
+    the job's most common batch that carry a price. Probes and plain steps are left out (a probe's decision is not
+    the plan's; a plain step has no drafts to price)."""
+    full = Counter(s["batch"] for s in steps).most_common(1)[0][0] if steps else 0
+    out = []
+    for start in range(0, len(steps), size):
+        errors: dict[str, list[float]] = defaultdict(list)
+        shares: dict[str, list[float]] = defaultdict(list)
+        for s in steps[start : start + size]:
+            priced = s["model_ms"] is not None and s["depth"] > 0 and s["kind"] == f"d{s['depth']}"
+            if priced and s["full_decode"] and s["batch"] == full:
+                errors[s["kind"]].append(1e3 * s["seconds"] - s["model_ms"])
+                shares[s["kind"]].append(s["verified"] / (s["batch"] * s["depth"]))
+        out.append(
+            {"start": start}
+            | {
+                k: [round(statistics.mean(v), 2), len(v), round(statistics.mean(shares[k]), 2)]
+                for k, v in sorted(errors.items())
+            }
+        )
+    return out
 
 
 def optimism(*runs: list[dict]) -> dict[int, dict]:
@@ -133,6 +165,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("step_logs", type=Path, nargs="+", help="one job's step log each")
     parser.add_argument("--last", type=int, default=0, help="keep the last N lines (0: every auto-phase line)")
+    parser.add_argument("--windows", type=int, default=0, help="measured - priced ms per window of N decisions")
     args = parser.parse_args()
     runs = []
     for path in args.step_logs:
@@ -149,6 +182,12 @@ def main() -> None:
               f"{sum(s['emitted'] for s in steps) / max(1e-9, sum(s['seconds'] for s in steps)):.1f} tok/s")  # fmt: skip
         for kind, row in summarise(steps).items():
             print(f"  {kind:<6} {json.dumps(row)}")
+        if args.windows > 0:
+            print(
+                f"  measured - priced ms per {args.windows} decisions ([mean, steps, verified share] per drafted depth):"
+            )
+            for window in pricing_windows(steps, args.windows):
+                print(f"    {json.dumps(window)}")
     pooled = f", pooled over {len(runs)} jobs" if len(runs) > 1 else ""
     print(f"optimism (value held - realised; chosen, drafted deeper, drafted shallower, probes{pooled}):")
     for depth, row in optimism(*runs).items():

@@ -68,3 +68,22 @@ def test_optimism_pools_jobs_without_pairing_across_them():
     pooled = trace.optimism(first, second)[1]
     assert pooled["chosen_steps"] == 2 and pooled["chosen"] == 0.3  # (0.5 + 0.1) / 2, no pair across the jobs
     assert trace.optimism(first + second)[1]["chosen_steps"] == 3  # concatenated, a bogus pair would enter
+
+
+def test_pricing_windows_compare_each_step_with_the_price_of_its_drafted_depth():
+    trace = load_script("plan_trace")
+    model = [9.0, 12.0, 15.0]
+    lines = [
+        _line(2, 2, 0, [], 0.010, 0.001, model=model),  # d2 decision, priced 15 ms
+        _line(2, 6, 4, [1, 1], 0.015, 0.002, model=model),  # paid 17 ms for all 4 drafts; d2 again
+        _line(1, 5, 3, [0, 1], 0.012, 0.001, model=model),  # paid 13 ms for 3 of 4 (a cut); d1 decision, 12 ms
+        _line(0, 4, 2, [0, 0], 0.012, 0.001, model=model),  # paid 13 ms for both drafts; plain decision
+        _line(2, 2, 0, [], 0.009, 0.001, model=model),  # the plain step: no price to compare
+        _line(0, 40, 4, [2, 2], 0.030, 0.001, model=model),  # the d2 step carried prompt rows: not a decode step
+    ]
+    steps = trace.attributed_steps(lines)
+    windows = trace.pricing_windows(steps, 2)
+    assert [w["start"] for w in windows] == [0, 2, 4]
+    assert windows[0] == {"start": 0, "d2": [0.0, 2, 0.88]}  # (17 - 15 + 13 - 15) / 2; shares 1 and 0.75
+    assert windows[1] == {"start": 2, "d1": [1.0, 1, 1.0]}  # 13 - 12; the plain step left out
+    assert windows[2] == {"start": 4}  # prompt rows in the forward: left out

@@ -263,6 +263,7 @@ def child() -> int:
         "missing": missing,
         "trees": (result.get("echo_stats") or {}).get("trees"),
         "echo_stats": result.get("echo_stats"),
+        "finish_steps": result.get("finish_steps"),
     }
     sys.stdout.write("PROFILE:" + json.dumps(report) + "\n")
     sys.stdout.flush()
@@ -351,6 +352,8 @@ def main() -> int:
     import contextlib
     import tempfile
 
+    from echo_vllm.bench.flights import request_flights
+
     runs = []
     keep = contextlib.nullcontext(str(args.work)) if args.work else tempfile.TemporaryDirectory()
     with keep as tmp:
@@ -385,6 +388,12 @@ def main() -> int:
                             )
                         if times:
                             print("  " + phase_split(sched, times, batch_size))
+                    if rep.get("finish_steps"):  # steps in flight per request (echo_vllm.bench.flights)
+                        fl = request_flights(rep["finish_steps"], batch_size)
+                        print(
+                            f"  requests in flight: median {fl.median:.0f} steps, the last admitted request "
+                            f"{fl.last_admitted}; slowest (request, steps): {fl.slowest}"
+                        )
                     for kind, k in rep["step_kinds"].items():
                         print(f"  steps {kind:<22} n={k['n']:4d}  {k['ms']:8.3f} ms/step (engine step)")
                     for label, _, _ in TIMED:

@@ -303,9 +303,18 @@ def test_steady_window_is_the_part_where_requests_wait_for_a_slot():
     # One long request in the last wave (as speculation finishes requests unevenly): 16 tokens in 10 steps in
     # total, the last 4 at batch 1 (the drain); the window ends when nothing waits (after step 4): 6 tokens in 3 s.
     llm = FakeLLM([2, 2, 2, 2, 2, 6], batch=2)
-    outputs, steady = generate_with_steady_window(llm, ["p"] * 6, None, 2, clock=lambda: llm.clock)
+    finished_at: dict[str, int] = {}
+    outputs, steady = generate_with_steady_window(
+        llm, ["p"] * 6, None, 2, clock=lambda: llm.clock, finished_at=finished_at
+    )
     assert len(outputs) == 6 and llm.clock == 10.0 and llm.generated == 16
     assert steady == {"seconds": 3.0, "tokens": 6.0, "steps": 3.0}  # 2 tokens/s full, against 1.6 over the run
+    # The step each request finished in; the last one ran steps 5-10 in the slot request 3 freed in step 4.
+    assert finished_at == {"0": 2, "1": 2, "2": 4, "3": 4, "4": 6, "5": 10}
+    from echo_vllm.bench.flights import request_flights
+
+    flights = request_flights([finished_at[o.request_id] for o in outputs], 2)
+    assert flights.steps == [2, 2, 2, 2, 2, 6] and flights.last_admitted == 6  # each request's own length
     # One batch of prompts: no request ever waits, no window.
     llm = FakeLLM([3, 3], batch=2)
     assert generate_with_steady_window(llm, ["p"] * 2, None, 2, clock=lambda: llm.clock)[1] is None

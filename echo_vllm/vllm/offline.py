@@ -177,8 +177,11 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     trace: dict[str, list[float]] | None = (
         {"seconds": [], "batch": [], "prompt": [], "generated": []} if job.get("step_trace") else None
     )
+    finished_at: dict[str, int] = {}
     if job.get("steady_window"):
-        outputs, steady = generate_with_steady_window(llm, prompts, params, int(kwargs["max_num_seqs"]), trace=trace)
+        outputs, steady = generate_with_steady_window(
+            llm, prompts, params, int(kwargs["max_num_seqs"]), trace=trace, finished_at=finished_at
+        )
     else:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     generate_seconds = time.time() - started
@@ -208,6 +211,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         "generate_seconds": generate_seconds,
         "steady": steady,
         "step_trace": trace,
+        # the engine step each request finished in, in request order (steady-window jobs; else None)
+        "finish_steps": [finished_at[o.request_id] for o in outputs] if finished_at else None,
         "spec": {
             "num_drafts": drafts,
             "num_draft_tokens": draft_tokens,
@@ -232,6 +237,7 @@ def generate_with_steady_window(
     max_num_seqs: int,
     clock: Callable[[], float] = time.time,
     trace: dict[str, list[float]] | None = None,
+    finished_at: dict[str, int] | None = None,
 ) -> tuple[list[Any], Any]:
     """`llm.generate`'s own loop (enqueue, then engine steps until every request finished; outputs in request
     order), also measuring the steady window: the steps during which requests were waiting for a slot, i.e. the
@@ -248,6 +254,10 @@ def generate_with_steady_window(
     "generated": deltas of vLLM's counters, read outside the timed step), e.g. to compare the decode steps of
     static depths (no prompt tokens) with ECHO's cost model. The reads do count in the generate's total time:
     compare the totals of traced runs with traced runs only.
+
+    finished_at (optional): gets each request id's engine step (1-based) in which it finished, from which
+    `echo_vllm.bench.flights` reconstructs how many steps each request was in flight (the drain's length is the
+    last admitted request's).
     """
     llm.enqueue(prompts, params, use_tqdm=False)
     engine = llm.llm_engine
@@ -260,7 +270,10 @@ def generate_with_steady_window(
         if trace is not None:
             trace["batch"].append(float(min(engine.get_num_unfinished_requests(), max_num_seqs)))
             t0 = clock()
-        outputs.extend(out for out in engine.step() if out.finished)
+        done = [out for out in engine.step() if out.finished]
+        outputs.extend(done)
+        if finished_at is not None:
+            finished_at.update((out.request_id, steps + 1) for out in done)
         if trace is not None:
             trace["seconds"].append(clock() - t0)
             now = _token_counts(llm)

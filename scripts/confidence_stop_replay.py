@@ -58,7 +58,10 @@ def decode_steps(lines: list[dict]) -> list[tuple[int, list[list[float]], list[i
 
 def lost_chain_costs(lines: list[dict], base_ms: float, level_ms: float) -> dict:
     """Verified-all steps and, per drafted depth, the levels drafted past every row's first rejection (see the
-    module doc), over the time-aware, non-probe steps of the most common batch whose next line reports every row."""
+    module doc), over the time-aware, non-probe steps of the most common batch whose next line reports every row.
+    A row the budget cut (K_i below the drafted depth) counts as rejected at its cut: its deeper drafts were not
+    verified either, so on logs whose steps did not all verify everything ("verified_all" below "steps") the levels
+    counted are those past every row's last verified accepted draft."""
     batches = Counter(line["batch"] for line in lines if line.get("phase") == "auto")
     if not batches:
         return {"steps": 0}

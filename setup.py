@@ -41,6 +41,8 @@ setup(
     install_requires=[
         # The core: tensors in and out.
         "torch>=2.4",
+        # The cost model's fit (host-side least squares; transformers needs it too).
+        "numpy>=1.24",
         # echo.json validation (extra="forbid").
         "pydantic>=2.5",
         # Safetensors-only model files (no pickle).

@@ -77,6 +77,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 MAX_KNOT_EXPONENT = 16  # knots up to 65536 tokens: more than any step's max_num_batched_tokens here
@@ -153,31 +154,39 @@ def _knots_for(max_tokens: float) -> list[float]:
     return sorted([float(2**i) for i in range(top + 1)] + [float(3 * 2**i) for i in range(top - 1)])
 
 
-def _hat_basis(num_tokens: torch.Tensor, knots: torch.Tensor) -> torch.Tensor:
+def _hat_basis(num_tokens: np.ndarray, knots: np.ndarray) -> np.ndarray:
     """[S, K] linear-interpolation weights of each N over the knots; beyond the last knot the last two knots'
     weights extrapolate linearly (the curve continues with its last slope)."""
-    n = num_tokens.to(torch.float64).clamp(min=float(knots[0]))
-    k = knots.numel()
-    idx = torch.searchsorted(knots, n, right=True).clamp(1, k - 1) - 1  # left knot of each N's segment
+    n = np.maximum(np.asarray(num_tokens, dtype=np.float64), knots[0])
+    k = knots.shape[0]
+    idx = np.clip(np.searchsorted(knots, n, side="right"), 1, k - 1) - 1  # left knot of each N's segment
     left, right = knots[idx], knots[idx + 1]
     frac = (n - left) / (right - left)  # > 1 beyond the last knot: linear extrapolation
-    basis = torch.zeros((n.numel(), k), dtype=torch.float64)
-    basis.scatter_(1, idx.unsqueeze(1), (1.0 - frac).unsqueeze(1))
-    basis.scatter_add_(1, (idx + 1).unsqueeze(1), frac.unsqueeze(1))
+    basis = np.zeros((n.shape[0], k), dtype=np.float64)
+    rows = np.arange(n.shape[0])
+    basis[rows, idx] = 1.0 - frac
+    basis[rows, idx + 1] += frac
     return basis
 
 
-def _robust_lstsq(x: torch.Tensor, y: torch.Tensor, ridge: torch.Tensor, passes: int = 4) -> torch.Tensor:
+def _lower_median(values: np.ndarray) -> float:
+    """The lower of the two middle values for an even count (torch.median's convention, which the fit used)."""
+    if values.shape[0] == 0:
+        return 0.0
+    middle = (values.shape[0] - 1) // 2
+    return float(np.partition(values, middle)[middle])
+
+
+def _robust_lstsq(x: np.ndarray, y: np.ndarray, ridge: np.ndarray, passes: int = 4) -> np.ndarray:
     """argmin sum_s w_s (y_s - x_s . v)^2 + v' R v with Huber weights (threshold 1.5 x the MAD of the residuals)."""
-    w = torch.ones_like(y)
-    v = torch.zeros(x.shape[1], dtype=torch.float64)
+    w = np.ones_like(y)
+    v = np.zeros(x.shape[1], dtype=np.float64)
     for _ in range(passes):
-        xtw = x.t() * w
-        v = torch.linalg.solve(xtw @ x + ridge, xtw @ y)
-        resid = (y - x @ v).abs()
-        mad = float(resid.median()) if resid.numel() else 0.0
-        scale = 1.5 * max(mad, 1e-9)
-        w = torch.where(resid <= scale, torch.ones_like(resid), scale / resid.clamp(min=1e-12))
+        xtw = x.T * w
+        v = np.linalg.solve(xtw @ x + ridge, xtw @ y)
+        resid = np.abs(y - x @ v)
+        scale = 1.5 * max(_lower_median(resid), 1e-9)
+        w = np.where(resid <= scale, 1.0, scale / np.maximum(resid, 1e-12))
     return v
 
 
@@ -238,11 +247,10 @@ class CostModel:
     def rest_seconds(self, num_tokens: torch.Tensor, batch: int, context: float = 0.0) -> torch.Tensor:
         """Seconds outside the proposer for steps of `num_tokens` tokens (any shape) at `batch` requests holding
         `context` tokens in the KV cache."""
-        knots = torch.tensor(self.knots, dtype=torch.float64)
-        values = torch.tensor(self.rest_s, dtype=torch.float64)
-        flat = num_tokens.reshape(-1).to("cpu", torch.float64)
-        curve = _hat_basis(flat, knots) @ values
-        return (curve + self.per_request_s * batch + self.context_s * context).reshape(num_tokens.shape)
+        flat = num_tokens.reshape(-1).to("cpu", torch.float64).numpy()
+        curve = _hat_basis(flat, np.asarray(self.knots, dtype=np.float64)) @ np.asarray(self.rest_s, dtype=np.float64)
+        rest = torch.from_numpy(curve + (self.per_request_s * batch + self.context_s * context))
+        return rest.reshape(num_tokens.shape)
 
     def rest_at(self, num_tokens: float, batch: int, context: float = 0.0) -> float:
         """`rest_seconds` of one step, on the host (no tensors: the proposer calls it on every step)."""
@@ -350,13 +358,13 @@ def vector_length(num_knots: int) -> int:
     )  # fmt: skip
 
 
-def _nonnegative_lstsq(x: torch.Tensor, y: torch.Tensor, ridge: float) -> torch.Tensor:
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, ridge: float) -> np.ndarray:
     """`_robust_lstsq` with every coefficient >= 0: a term that would go negative is fixed at 0 and the rest refitted
     (clamping it afterwards would leave the others fitted to the negative value)."""
     free = list(range(x.shape[1]))
-    coef = torch.zeros(x.shape[1], dtype=torch.float64)
+    coef = np.zeros(x.shape[1], dtype=np.float64)
     while free:
-        u = _robust_lstsq(x[:, free], y, ridge * torch.eye(len(free), dtype=torch.float64))
+        u = _robust_lstsq(x[:, free], y, ridge * np.eye(len(free), dtype=np.float64))
         if bool((u >= 0).all()):
             coef[free] = u
             break
@@ -364,7 +372,7 @@ def _nonnegative_lstsq(x: torch.Tensor, y: torch.Tensor, ridge: float) -> torch.
     return coef
 
 
-def _slope_changes(knots: torch.Tensor) -> torch.Tensor:
+def _slope_changes(knots: np.ndarray) -> np.ndarray:
     """[K - 2, K]: the change of the curve's slope (seconds per token) at each inner knot, scaled by the mean width
     of its two segments, so that on evenly spaced knots a row is the second difference (1, -2, 1).
 
@@ -376,8 +384,8 @@ def _slope_changes(knots: torch.Tensor) -> torch.Tensor:
     fell further behind the line (a 640-token step at 69 % of a linear truth in the unit test): a load that grows
     after the profile verifies steps there. A change of slope costs the same here whatever the knot spacing: a
     curve linear in N is free, and a GPU's flat-then-linear curve pays for its one knee."""
-    k = knots.numel()
-    rows = torch.zeros((max(0, k - 2), k), dtype=torch.float64)
+    k = knots.shape[0]
+    rows = np.zeros((max(0, k - 2), k), dtype=np.float64)
     for i in range(k - 2):
         left, right = float(knots[i + 1] - knots[i]), float(knots[i + 2] - knots[i + 1])
         scale = 0.5 * (left + right)
@@ -386,8 +394,8 @@ def _slope_changes(knots: torch.Tensor) -> torch.Tensor:
 
 
 def _monotone_rest_fit(
-    hat: torch.Tensor, extra: torch.Tensor, rest: torch.Tensor, smooth: float, knots: torch.Tensor | None = None
-) -> torch.Tensor:
+    hat: np.ndarray, extra: np.ndarray, rest: np.ndarray, smooth: float, knots: np.ndarray | None = None
+) -> np.ndarray:
     """The rest curve's knot values (non-decreasing) and the extra terms (>= 0), fitted under those constraints.
 
     Clamping an unconstrained fit afterwards is wrong when columns are collinear: at one batch size B every plain
@@ -405,19 +413,19 @@ def _monotone_rest_fit(
     # Changes of slope at the knots (`_slope_changes`; evenly spaced when no knots are given) tie unobserved knots
     # to their neighbours; the extra terms get a plain ridge, so that with B and N collinear (pure decode) the curve
     # takes the cost and a column of zeros (no tree step, no plain step) stays solvable.
-    diff = _slope_changes(knots if knots is not None else torch.arange(k, dtype=torch.float64))
+    diff = _slope_changes(knots if knots is not None else np.arange(k, dtype=np.float64))
     for _ in range(k + e + 1):
         pools = sorted(set(group_of))
-        expand = torch.zeros((k, len(pools)), dtype=torch.float64)  # knot values = expand @ pool values
+        expand = np.zeros((k, len(pools)), dtype=np.float64)  # knot values = expand @ pool values
         for knot, pool in enumerate(group_of):
             expand[knot, pools.index(pool)] = 1.0
-        x = torch.cat([hat @ expand, extra[:, free_extra]], dim=1)
-        penalty = torch.zeros((x.shape[1], x.shape[1]), dtype=torch.float64)
-        penalty[: len(pools), : len(pools)] = smooth * (expand.t() @ diff.t() @ diff @ expand)
-        penalty[len(pools) :, len(pools) :] += 1e-6 * rest.numel() * torch.eye(len(free_extra), dtype=torch.float64)
+        x = np.concatenate([hat @ expand, extra[:, free_extra]], axis=1)
+        penalty = np.zeros((x.shape[1], x.shape[1]), dtype=np.float64)
+        penalty[: len(pools), : len(pools)] = smooth * (expand.T @ diff.T @ diff @ expand)
+        penalty[len(pools) :, len(pools) :] += 1e-6 * rest.shape[0] * np.eye(len(free_extra), dtype=np.float64)
         u = _robust_lstsq(x, rest, penalty)
         values = expand @ u[: len(pools)]
-        terms = torch.zeros(e, dtype=torch.float64)
+        terms = np.zeros(e, dtype=np.float64)
         terms[free_extra] = u[len(pools) :]
         falls = [j for j in range(1, k) if group_of[j] != group_of[j - 1] and values[j] < values[j - 1] - 1e-12]
         negative = [c for c in free_extra if terms[c] < 0]
@@ -429,7 +437,7 @@ def _monotone_rest_fit(
             group_of = [new if g == old else g for g in group_of]
         if negative:
             free_extra.remove(min(negative, key=lambda c: float(terms[c])))
-    return torch.cat([values.clamp(min=0.0), terms.clamp(min=0.0)])
+    return np.concatenate([np.maximum(values, 0.0), np.maximum(terms, 0.0)])
 
 
 def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> CostModel | None:
@@ -437,36 +445,39 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
     rows = list(samples)
     if len(rows) < 4:
         return None
-    n = torch.tensor([s.num_tokens for s in rows], dtype=torch.float64)
-    batch = torch.tensor([s.batch for s in rows], dtype=torch.float64)
-    depth = torch.tensor([s.draft_depth for s in rows], dtype=torch.float64)
-    rest = torch.tensor([s.rest_s for s in rows], dtype=torch.float64)
-    draft = torch.tensor([s.draft_s for s in rows], dtype=torch.float64)
-    width = torch.tensor([s.width for s in rows], dtype=torch.float64)
-    verifying = torch.tensor([1.0 if s.verified > 0 else 0.0 for s in rows], dtype=torch.float64)
-    merged = torch.tensor([s.merged for s in rows], dtype=torch.float64)
-    context = torch.tensor([s.context for s in rows], dtype=torch.float64)
-    trees = torch.tensor([1.0 if s.tree_drafted and s.draft_depth >= 1 else 0.0 for s in rows], dtype=torch.float64)
+    # numpy, not torch: the fit is a few hundred small host ops (on the testbed's CPU ~9 ms a refit in torch, most
+    # of it per-op dispatch; the proposer refits on the step path every 64-512 steps).
+    n = np.array([s.num_tokens for s in rows], dtype=np.float64)
+    batch = np.array([s.batch for s in rows], dtype=np.float64)
+    depth = np.array([s.draft_depth for s in rows], dtype=np.float64)
+    rest = np.array([s.rest_s for s in rows], dtype=np.float64)
+    draft = np.array([s.draft_s for s in rows], dtype=np.float64)
+    width = np.array([s.width for s in rows], dtype=np.float64)
+    verifying = np.array([1.0 if s.verified > 0 else 0.0 for s in rows], dtype=np.float64)
+    merged = np.array([s.merged for s in rows], dtype=np.float64)
+    context = np.array([s.context for s in rows], dtype=np.float64)
+    trees = np.array([1.0 if s.tree_drafted and s.draft_depth >= 1 else 0.0 for s in rows], dtype=np.float64)
 
-    knots = torch.tensor(_knots_for(float(n.max())), dtype=torch.float64)
-    k = knots.numel()
-    tree_cols = torch.stack([(width > 0).to(torch.float64), width], dim=1)
-    verify_cols = torch.stack([verifying, verifying * batch], dim=1)
+    knots = np.array(_knots_for(float(n.max())), dtype=np.float64)
+    k = knots.shape[0]
+    tree_cols = np.stack([(width > 0).astype(np.float64), width], axis=1)
+    verify_cols = np.stack([verifying, verifying * batch], axis=1)
     # per request, tree, verify, context (context in 1e3 tokens: a column on the scale of the others for the ridge)
-    extra_cols = torch.cat([batch.unsqueeze(1), tree_cols, verify_cols, (context / 1e3).unsqueeze(1)], dim=1)
-    v = _monotone_rest_fit(_hat_basis(n, knots), extra_cols, rest, ridge * len(rows), knots)
-    curve = torch.cummax(v[:k].clamp(min=0.0), dim=0).values  # a no-op but for float rounding
+    extra_cols = np.concatenate([batch[:, None], tree_cols, verify_cols, (context / 1e3)[:, None]], axis=1)
+    hat = _hat_basis(n, knots)
+    v = _monotone_rest_fit(hat, extra_cols, rest, ridge * len(rows), knots)
+    curve = np.maximum.accumulate(np.maximum(v[:k], 0.0))  # a no-op but for float rounding
     per_request = float(v[k])
     tree = (float(v[k + 1]), float(v[k + 2]))
     verify = (float(v[k + 3]), float(v[k + 4]))
     context_s = float(v[k + 5]) / 1e3
 
-    drafts = (depth >= 1).to(torch.float64)
-    looped = (depth >= 2).to(torch.float64)
-    prompt_rows = torch.tensor([float(s.prompt_rows) for s in rows], dtype=torch.float64)
-    x_draft = torch.stack(
+    drafts = (depth >= 1).astype(np.float64)
+    looped = (depth >= 2).astype(np.float64)
+    prompt_rows = np.array([float(s.prompt_rows) for s in rows], dtype=np.float64)
+    x_draft = np.stack(
         [
-            torch.ones_like(batch),
+            np.ones_like(batch),
             batch,
             depth,
             depth * batch,
@@ -479,21 +490,21 @@ def fit_cost_model(samples: Iterable[StepSample], *, ridge: float = 1e-3) -> Cos
             looped * batch,
             drafts * prompt_rows,
         ],
-        dim=1,
+        axis=1,
     )
     w = _nonnegative_lstsq(x_draft, draft, 1e-9 * len(rows))
     terms = tuple(float(t) for t in w)
 
     predicted = (
-        _hat_basis(n, knots) @ curve
+        hat @ curve
         + per_request * batch
-        + tree_cols @ torch.tensor(tree, dtype=torch.float64)
-        + verify_cols @ torch.tensor(verify, dtype=torch.float64)
+        + tree_cols @ np.array(tree, dtype=np.float64)
+        + verify_cols @ np.array(verify, dtype=np.float64)
         + context_s * context
-        + x_draft @ torch.tensor(terms, dtype=torch.float64)
+        + x_draft @ np.array(terms, dtype=np.float64)
     )
     observed = rest + draft
-    error = float(((predicted - observed).abs() / observed.clamp(min=1e-12)).median())
+    error = _lower_median(np.abs(predicted - observed) / np.maximum(observed, 1e-12))
     return CostModel(
         tuple(float(x) for x in knots),
         tuple(float(x) for x in curve),

@@ -475,6 +475,44 @@ def test_the_confidence_stop_ends_the_draft_loop_where_every_chain_is_unlikely()
     assert last.confidence_stops == 0
 
 
+def test_the_confidence_stop_reads_the_running_path_and_the_kept_rows_once_per_step():
+    """The stop test's two ways agree: every row kept (the max of the running path) and rows dropped by vLLM
+    (`drafts_below_confidence`); a NaN row keeps the loop going in both; the kept-rows mask is read once per
+    propose call and read anew after it."""
+    import numpy as np
+
+    from echo_vllm.vllm.proposer import EchoProposer
+
+    p = object.__new__(EchoProposer)
+    p._stop_logp, p._depth = math.log(0.1), torch.zeros(1)
+    dropped = np.array([False, False, False])
+    p._runner = types.SimpleNamespace(
+        input_batch=types.SimpleNamespace(num_reqs=3),
+        discard_request_mask=types.SimpleNamespace(np=dropped, gpu=torch.from_numpy(dropped)),
+    )
+    low, high, nan = math.log(0.05), math.log(0.5), float("nan")
+    cases = [([low, low, low], True), ([low, high, low], False), ([low, nan, low], False)]
+    for path, below in cases:
+        p._stop_path, p._step_kept = torch.tensor(path), None
+        assert p._below_stop_confidence() is below
+    # Row 1 dropped: only rows 0 and 2 decide (a NaN or likely row 1 no longer holds the loop).
+    dropped[1] = True
+    for path, _ in cases:
+        p._stop_path, p._step_kept = torch.tensor(path), None
+        assert p._below_stop_confidence() is True
+    # Read once per step: a mask changed within the step is not seen until the step's end clears the memo.
+    p._stop_path, p._step_kept = torch.tensor([low, high, low]), None
+    assert p._below_stop_confidence() is True
+    dropped[1] = False
+    assert p._below_stop_confidence() is True
+    p._step_kept = None
+    assert p._below_stop_confidence() is False
+    # Rows past the engine's batch (a stale row of the head's buffer) never count.
+    p._runner.input_batch.num_reqs = 2
+    p._stop_path, p._step_kept = torch.tensor([low, low, high]), None
+    assert p._below_stop_confidence() is True
+
+
 def test_the_confidence_stop_applies_to_time_aware_chain_steps_only():
     """Probes (full or partial), warm-up and profile steps, policy blocks, trees, CUDA and plans of depth <= 2
     draft their full depth; a time-aware chain step 3+ deep may stop."""

@@ -191,6 +191,8 @@ class EchoProposer(EagleProposer):
     history: RequestHistory | None = None  # request_history's per-request averages (None: off)
     _history_now = False  # this step's rows are the history's (aligned in `_before_drafting`)
     _stop_logp: float | None = None  # draft_stop_confidence in logs (None: off)
+    _stop_path: torch.Tensor | None = None  # [B] each row's cumulative draft log-prob so far (with the stop on)
+    _step_kept: tuple[int, torch.Tensor | None] | None = None  # this propose call's (batch, kept rows), once read
     _confidence_stop = False  # this step's draft loop may end at draft_stop_confidence (`_draft`)
     confidence_stops = 0  # steps whose draft loop draft_stop_confidence ended early (echo_stats)
     _confidence_stopped = False  # this step's draft loop ended at draft_stop_confidence
@@ -434,6 +436,8 @@ class EchoProposer(EagleProposer):
         else:  # one pass over the logits on CPU (echo::draft_argmax_logp), max + logsumexp elsewhere
             draft_ids, logps = draft_argmax_logp(logits)
             self._echo_logps.append(logps)
+            if self._confidence_stop:  # one add per level, summed in the order the old sum over the list used
+                self._stop_path = logps if self._stop_path is None else self._stop_path + logps
         if self.use_heterogeneous_vocab and not self._tree_step:
             draft_ids = self.vocab_mapping.map_draft_to_target_ids(draft_ids)
         self._echo_ids.append(draft_ids)
@@ -473,11 +477,16 @@ class EchoProposer(EagleProposer):
     def _below_stop_confidence(self) -> bool:
         """Every kept row's chain so far has a path confidence below draft_stop_confidence (CPU tensors: the host
         read is not a device sync)."""
-        assert self._stop_logp is not None
-        logps = self._echo_logps
-        path = sum(logps[1:], logps[0])  # each row's cumulative log-prob through the deepest drafted level
+        assert self._stop_logp is not None and self._stop_path is not None
+        path = self._stop_path  # each row's cumulative log-prob through the deepest drafted level
         batch = min(path.shape[0], self._runner.input_batch.num_reqs) if self._runner is not None else path.shape[0]
-        return drafts_below_confidence(path[:batch], self._kept_rows_unless_all(batch), self._stop_logp)
+        kept = self._step_kept_rows(batch)
+        if kept is None and batch > 0:
+            # Every row kept (most steps): two ops, not four. A NaN row makes the max NaN, which compares False, so
+            # it keeps the loop going, as in `drafts_below_confidence`.
+            rows = path if batch == path.shape[0] else path[:batch]
+            return bool(rows.max() < self._stop_logp)
+        return drafts_below_confidence(path[:batch], kept, self._stop_logp)
 
     def _can_stop(self) -> bool:
         """The exact early-exit test on the depths drafted so far (CPU tensors: the .item() is not a device sync)."""
@@ -486,7 +495,7 @@ class EchoProposer(EagleProposer):
         batch = min(logps.shape[0], self._runner.input_batch.num_reqs) if self._runner is not None else logps.shape[0]
         scores = torch.cumsum(logps[:batch], dim=1)
         valid = torch.isfinite(scores)
-        kept = self._kept_rows_unless_all(batch)
+        kept = self._step_kept_rows(batch)
         if kept is not None:
             valid &= kept.unsqueeze(1)
         confidence = torch.exp(torch.where(valid, scores, torch.full_like(scores, float("-inf"))))
@@ -518,6 +527,13 @@ class EchoProposer(EagleProposer):
         if self._runner is None or batch <= 0:
             return 0
         return int(self._runner.input_batch.num_computed_tokens_cpu[:batch].sum())
+
+    def _step_kept_rows(self, batch: int) -> torch.Tensor | None:
+        """`_kept_rows_unless_all`, read once per propose call (the draft stop asks at every level, the selection
+        once more; vLLM sets the mask before the step's forward and leaves it until the next step)."""
+        if self._step_kept is None or self._step_kept[0] != batch:
+            self._step_kept = (batch, self._kept_rows_unless_all(batch))
+        return self._step_kept[1]
 
     def _kept_rows_unless_all(self, batch: int) -> torch.Tensor | None:
         """`_kept_rows`, or None when vLLM keeps every row's drafts: most steps, known from the mask's host copy
@@ -584,6 +600,7 @@ class EchoProposer(EagleProposer):
         finally:
             self._early_cap = None
             self._confidence_stop = False
+            self._step_kept = None  # the mask is read anew in the next step
             self._last_leaf_accepts = 0  # set by the next tree step's compaction
         if not self._feedback_faulted:
             self.faults.record_success()
@@ -594,6 +611,7 @@ class EchoProposer(EagleProposer):
         plan = self._plan
         depth = min(int(num_speculative_tokens), plan.depth)
         self._echo_logps, self._echo_ids, self._echo_topk = [], [], []
+        self._stop_path, self._step_kept = None, None
         self._draft_target = depth
         on_cpu = self._depth.device.type == "cpu"
         # The early-exit test is exact for chains only (a tree's deeper siblings rank after every spine node).
@@ -1073,7 +1091,7 @@ class EchoProposer(EagleProposer):
         depth_cap, truncated, predicted or None)."""
         step_logps = self._echo_logps[-depth:]
         device = step_logps[0].device
-        kept = self._kept_rows_unless_all(batch)
+        kept = self._step_kept_rows(batch)
         gate_on, tau = self._gate_tensors(device)
         self._stage = "select"
         self.faults.maybe_inject("select")
